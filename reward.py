@@ -1,0 +1,143 @@
+"""Reward functions, one per task: users edit this file to change a reward or add a task.
+
+The trainer calls `reward_fn(completion, sample)` once per sampled completion. To add a task, write a function
+that takes the completion string plus the fields it needs and returns a float in [0, 1], then add a branch to
+`reward_fn`. The contract: any string in, a float out, never raises. Completions are hostile input (megabytes of
+text, 10,000 parentheses, `__import__('os')`), so nothing here calls eval, and every scan is linear and capped.
+"""
+
+import re
+from fractions import Fraction
+
+# Reward for a parsable countdown expression that is wrong (wrong value or wrong numbers). It is small so it
+# teaches the answer format early without competing with the 1.0 for a correct answer (as in TinyZero).
+FORMAT_SCORE = 0.1
+
+# Limits on model text, so one completion cannot cost seconds of CPU or blow the stack.
+MAX_EXPR_CHARS = 200  # countdown expressions are a few dozen characters
+MAX_DEPTH = 32  # parenthesis nesting; the parser recurses once per level
+MAX_DIGITS = 6  # per integer literal, so Fractions stay small
+MAX_NUMBER_CHARS = 30  # gsm8k answers; with _NUMBER (no exponents) this keeps Fraction() cheap
+TAIL_CHARS = 10_000  # the last number of a gsm8k answer is near its end
+
+_EXPR_CHARS = re.compile(r"[0-9+\-*/()\s]*")
+_EXPR_TOKEN = re.compile(r"[0-9]+|[-+*/()]")
+_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
+_LAST_NUMBER = re.compile(r"(?<![0-9])-?[0-9]+(?:\.[0-9]+)?")  # no lookbehind would read "10-12" as 10 and -12
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# countdown: combine the given numbers with + - * / to reach the target
+
+
+def _parse(tokens: list[str], pos: int, depth: int) -> tuple[Fraction, int]:
+    """expr := term (('+' | '-') term)* ; returns (value, next position). Raises ValueError on bad syntax."""
+    value, pos = _term(tokens, pos, depth)
+    while pos < len(tokens) and tokens[pos] in "+-":
+        rhs, nxt = _term(tokens, pos + 1, depth)
+        value, pos = (value + rhs if tokens[pos] == "+" else value - rhs), nxt
+    return value, pos
+
+
+def _term(tokens: list[str], pos: int, depth: int) -> tuple[Fraction, int]:
+    value, pos = _factor(tokens, pos, depth)
+    while pos < len(tokens) and tokens[pos] in "*/":
+        rhs, nxt = _factor(tokens, pos + 1, depth)
+        value, pos = (value * rhs if tokens[pos] == "*" else value / rhs), nxt  # x/0 raises ZeroDivisionError
+    return value, pos
+
+
+def _factor(tokens: list[str], pos: int, depth: int) -> tuple[Fraction, int]:
+    """factor := integer | '(' expr ')'. No unary minus: the numbers are given, negating one is not allowed."""
+    if pos >= len(tokens):
+        raise ValueError("expression ends early")
+    if tokens[pos] == "(":
+        if depth >= MAX_DEPTH:
+            raise ValueError("nested too deeply")
+        value, pos = _parse(tokens, pos + 1, depth + 1)
+        if pos >= len(tokens) or tokens[pos] != ")":
+            raise ValueError("unbalanced parenthesis")
+        return value, pos + 1
+    if tokens[pos].isdigit() and len(tokens[pos]) <= MAX_DIGITS:
+        return Fraction(int(tokens[pos])), pos + 1
+    raise ValueError(f"unexpected token {tokens[pos]!r}")
+
+
+def countdown_reward(completion: str, nums: list[int], target: int) -> float:
+    """1.0 if the last <answer> is an expression using each of `nums` once that equals `target`; FORMAT_SCORE if it
+    parses but is wrong; 0.0 if there is no answer, it does not parse, or it divides by zero."""
+    # rfind, not a regex: a non-greedy regex rescans the tail for every unclosed "<answer>", quadratic on MBs.
+    end = completion.rfind("</answer>")
+    start = completion.rfind("<answer>", 0, end) if end >= 0 else -1
+    if start < 0:
+        return 0.0
+    expr = completion[start + len("<answer>"):end]
+    if len(expr) > MAX_EXPR_CHARS or not _EXPR_CHARS.fullmatch(expr):
+        return 0.0
+    tokens = _EXPR_TOKEN.findall(expr)  # whitespace falls out here; "1 2" is still two literals and fails to parse
+    try:
+        value, pos = _parse(tokens, 0, 0)
+    except (ValueError, ZeroDivisionError):
+        return 0.0
+    if pos != len(tokens):
+        return 0.0
+    used = sorted(int(t) for t in tokens if t.isdigit())
+    return 1.0 if used == sorted(nums) and value == target else FORMAT_SCORE
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# gsm8k: grade school math word problems with a numeric answer
+
+
+def _to_number(text: str) -> Fraction | None:
+    """'$1,234.00 ' -> Fraction(1234); None if the text is not a plain decimal number."""
+    text = text.replace(",", "").replace("$", "").strip().rstrip(".")
+    if len(text) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(text):
+        return None
+    return Fraction(text)  # exact, so "72.00" == "72" and 0.1 + 0.2 troubles cannot arise
+
+
+def _final_answer(completion: str) -> str:
+    """The last \\boxed{...}, else the first number after the last ####, else the last number in the text."""
+    start = completion.rfind("\\boxed{")
+    if start >= 0:
+        depth = 0  # count braces so \boxed{\frac{1}{2}} ends at its own brace; give up after 200 characters
+        for i in range(start + len("\\boxed"), min(len(completion), start + 200)):
+            depth += 1 if completion[i] == "{" else -1 if completion[i] == "}" else 0
+            if depth == 0:
+                return completion[start + len("\\boxed{"):i]
+    hashes = completion.rfind("####")
+    if hashes >= 0:
+        match = _NUMBER.search(completion[hashes + 4:hashes + 200].replace(",", "").replace("$", ""))
+        return match.group() if match else ""
+    numbers = _LAST_NUMBER.findall(completion[-TAIL_CHARS:].replace(",", "").replace("$", ""))
+    return numbers[-1] if numbers else ""
+
+
+def gsm8k_reward(completion: str, answer: str) -> float:
+    """1.0 if the completion's final answer equals `answer` as a number, else 0.0."""
+    predicted, truth = _to_number(_final_answer(completion)), _to_number(answer)
+    return 1.0 if predicted is not None and predicted == truth else 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# toy: the CPU demo task
+
+
+def toy_reward(completion: str, target: str) -> float:
+    """Fraction of the (whitespace-stripped) completion's characters equal to the one-character `target`.
+    A dense, easy signal: a random tiny model learns to emit only `target` within a minute on CPU."""
+    text = completion.strip()
+    return text.count(target) / len(text) if text else 0.0
+
+
+def reward_fn(completion: str, sample: dict) -> float:
+    """Called by the trainer for every completion; `sample` is the dataset's item. Edit here to add a task."""
+    task = sample["task"]
+    if task == "countdown":
+        return countdown_reward(completion, sample["nums"], sample["target"])
+    if task == "gsm8k":
+        return gsm8k_reward(completion, sample["answer"])
+    if task == "toy":
+        return toy_reward(completion, sample["target"])
+    raise ValueError(f"unknown task {task!r}: add a branch for it to reward_fn in reward.py")

@@ -1,0 +1,736 @@
+"""GRPO for Qwen models (Qwen2, Qwen2.5, Qwen3) in one file.
+
+One step: sample G completions per prompt from the rollout engine, score them with reward.reward_fn,
+normalise rewards within each group into advantages, and take clipped policy-gradient steps on the
+policy, sharded with FSDP2 over "dp" and DTensor tensor parallelism over "tp". The new weights are
+then pushed into the engine, so every rollout comes from the current policy.
+
+Launch:
+    torchrun --nproc_per_node=2 train.py --preset cpu          # CPU demo: tiny random model, toy task, ~1 min
+    torchrun --nproc_per_node=8 train.py --tp 2                 # GPU: Countdown with Qwen2.5-3B-Instruct
+    torchrun --nproc_per_node=8 train.py --task gsm8k --model Qwen/Qwen2.5-1.5B-Instruct
+
+Edit two places: `PromptDataset.__getitem__` below (what a prompt is and what the reward needs) and
+`reward_fn` in reward.py (how a completion is scored). Every flag is a field of `Config`.
+
+Where this departs from the GRPO paper (DeepSeekMath): the loss is a token-level mean over all response
+tokens of the batch (DAPO) unless --loss_agg sequence; the clip range may be asymmetric (clip-higher,
+DAPO); the KL term (k3) is off by default (--beta 0); the logprobs are those of logits / temperature,
+the distribution the engine samples from.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import string
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
+
+import reward
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class Config:
+    # model and task
+    model: str = "Qwen/Qwen2.5-3B-Instruct"  # hub id or local folder; "tiny": random tiny Qwen2 + character tokenizer
+    task: str = "countdown"  # countdown | gsm8k | toy
+    data_path: str = "openai/gsm8k"  # gsm8k: hub id, or a local .json / .jsonl / .parquet file
+    train_size: int = 20000  # countdown / toy: problems generated for training
+    test_size: int = 500  # countdown / toy: held-out problems, disjoint from training
+    preset: str = ""  # "cpu": tiny model, toy task, small batches; flags given explicitly still win
+    # rollout
+    engine: str = "hf"  # hf: HF generate on an unsharded copy of the policy (CPU, tests)
+    prompts_per_step: int = 32  # prompts per optimizer step, over all ranks
+    group_size: int = 8  # G: samples per prompt
+    max_new_tokens: int = 1024  # response length limit
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # loss
+    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
+    clip_high: float = 0.28  # and above at 1 + clip_high (clip-higher, DAPO)
+    loss_agg: str = "token"  # token: mean over all response tokens of the batch | sequence: per-sequence mean first
+    scale_std: bool = True  # divide advantages by the group's std (False: Dr. GRPO)
+    beta: float = 0.0  # weight of the k3 KL to the initial policy; 0 builds no reference model
+    entropy_coef: float = 0.0  # entropy bonus
+    logprob_chunk: int = 1024  # response tokens per chunk of fp32 full-vocabulary logits
+    # optimisation
+    steps: int = 200
+    lr: float = 1e-6
+    lr_schedule: str = "constant"  # constant | cosine (to 10% of lr at the last step)
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    num_minibatches: int = 1  # optimizer steps per rollout batch
+    micro_batch_size: int = 8  # sequences per forward / backward on each rank
+    # parallelism and memory
+    tp: int = 1  # tensor-parallel size; dp = world size / tp
+    activation_checkpointing: bool = False
+    # logging
+    seed: int = 0
+    out_dir: str = "runs/grpo"  # metrics.jsonl and config.json go here
+    wandb_project: str = ""  # log to wandb when set
+    wandb_offline: bool = False
+
+
+PRESETS = {
+    "cpu": dict(model="tiny", task="toy", engine="hf", steps=30, prompts_per_step=8, group_size=8,
+                max_new_tokens=16, temperature=1.0, lr=1e-2, warmup_steps=0, micro_batch_size=32,
+                train_size=1000, test_size=100, out_dir="runs/cpu"),
+}
+
+
+def parse_config(argv=None):
+    from transformers import HfArgumentParser
+    parser = HfArgumentParser(Config)
+    preset = parser.parse_known_args(argv)[0].preset
+    if preset:
+        if preset not in PRESETS:
+            raise SystemExit(f"--preset {preset!r} is unknown: choose one of {sorted(PRESETS)}")
+        parser.set_defaults(**PRESETS[preset])
+    (cfg,) = parser.parse_args_into_dataclasses(argv)  # unknown flags raise
+    return cfg
+
+
+def check_config(cfg, world):
+    """Catch bad flags before any model is loaded; each message names the flag to change."""
+    choices = dict(task=("countdown", "gsm8k", "toy"), engine=("hf",), loss_agg=("token", "sequence"),
+                   lr_schedule=("constant", "cosine"))
+    for flag, allowed in choices.items():
+        if getattr(cfg, flag) not in allowed:
+            raise SystemExit(f"--{flag} {getattr(cfg, flag)!r}: choose one of {allowed}")
+    if world % cfg.tp:
+        raise SystemExit(f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}")
+    dp = world // cfg.tp
+    if cfg.prompts_per_step % dp:
+        raise SystemExit(f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp} (world / tp)")
+    samples = cfg.prompts_per_step // dp * cfg.group_size
+    if samples % cfg.num_minibatches:
+        raise SystemExit(f"--num_minibatches {cfg.num_minibatches} must divide the {samples} samples per rank "
+                         f"(prompts_per_step / dp * group_size)")
+    if cfg.group_size < 2:
+        raise SystemExit("--group_size must be at least 2: advantages compare samples of one prompt")
+
+
+# ----------------------------------------------------------------------------- data
+COUNTDOWN_PROMPT = ("Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic "
+                    "operations (+, -, *, /) and each number must be used exactly once. Show your work in "
+                    "<think> </think> tags. And return the final answer in <answer> </answer> tags, for example "
+                    "<answer> (1 + 2) / 3 </answer>.")
+GSM8K_PROMPT = "{question}\nThink step by step, then give the final answer as \\boxed{{number}}."
+# The R1-Zero template, for tokenizers without a chat template (base models).
+PLAIN_TEMPLATE = ("A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+                  "The assistant first thinks about the reasoning process in the mind and then provides the user "
+                  "with the answer. The reasoning process and answer are enclosed within <think> </think> and "
+                  "<answer> </answer> tags, respectively, i.e., <think> reasoning process here </think> "
+                  "<answer> answer here </answer>. User: {question} Assistant: <think>")
+
+
+def countdown_problems(n, seed):
+    """n distinct Countdown problems: 3-4 numbers in 1..99 and a target reachable by construction."""
+    rng = random.Random(seed)
+    problems = {}
+    while len(problems) < n:
+        nums = [rng.randint(1, 99) for _ in range(rng.choice((3, 4)))]
+        order = rng.sample(nums, len(nums))
+        value = Fraction(order[0])
+        for x in order[1:]:
+            op = rng.choice("+-*/")
+            value = {"+": value + x, "-": value - x, "*": value * x, "/": value / x}[op]
+        if value.denominator == 1 and 0 < value <= 1000:
+            problems[(tuple(sorted(nums)), int(value))] = nums
+    return [{"nums": nums, "target": target} for (_, target), nums in problems.items()]
+
+
+def load_rows(cfg, split):
+    """The raw rows of one split. Countdown and toy rows are generated, so the default job needs no download."""
+    if cfg.task == "countdown":
+        # One stream of distinct problems: the first test_size are the test split, so the splits are disjoint.
+        problems = countdown_problems(cfg.test_size + cfg.train_size, cfg.seed)
+        return problems[:cfg.test_size] if split == "test" else problems[cfg.test_size:]
+    if cfg.task == "toy":
+        n = cfg.test_size if split == "test" else cfg.train_size
+        return [{"target": "a"} for _ in range(n)]
+    import datasets
+    if os.path.isfile(cfg.data_path):
+        kind = "parquet" if cfg.data_path.endswith(".parquet") else "json"
+        return list(datasets.load_dataset(kind, data_files=cfg.data_path, split="train"))
+    return list(datasets.load_dataset(cfg.data_path, "main", split=split))
+
+
+class PromptDataset(torch.utils.data.Dataset):
+    """Prompts of one task. Edit __getitem__ to change what a prompt says or to add a task."""
+
+    def __init__(self, cfg, split):
+        self.task = cfg.task
+        self.rows = load_rows(cfg, split)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        """{"prompt": chat messages, or a string used as is; "task"; and the fields reward.reward_fn reads}."""
+        row = self.rows[i]
+        if self.task == "countdown":
+            content = COUNTDOWN_PROMPT.format(nums=row["nums"], target=row["target"])
+            return {"prompt": [{"role": "user", "content": content}], "task": "countdown",
+                    "nums": row["nums"], "target": row["target"]}
+        if self.task == "gsm8k":
+            content = GSM8K_PROMPT.format(question=row["question"])
+            return {"prompt": [{"role": "user", "content": content}], "task": "gsm8k",
+                    "answer": row["answer"].split("####")[-1].strip()}
+        return {"prompt": f"Say {row['target']}:", "task": "toy", "target": row["target"]}
+
+
+def char_tokenizer():
+    """A character-level tokenizer with Qwen's special tokens, for the tiny CPU model: nothing to download."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    chars = sorted(set(string.printable) - set("\r\x0b\x0c"))
+    vocab = {token: i for i, token in enumerate(specials + chars)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), "isolated")
+    tok.decoder = tokenizers.decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def load_tokenizer(cfg):
+    if cfg.model == "tiny":
+        return char_tokenizer()
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(cfg.model)
+
+
+def encode_prompt(tokenizer, prompt):
+    """Token ids of a prompt: the chat template when the tokenizer has one, else the R1-Zero plain template."""
+    if isinstance(prompt, str):
+        text = prompt
+    elif tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    else:
+        text = PLAIN_TEMPLATE.format(question=prompt[-1]["content"])
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def stop_token_ids(tokenizer):
+    """EOS of the tokenizer plus Qwen's end-of-turn and end-of-text tokens, where the vocabulary has them."""
+    vocab = tokenizer.get_vocab()
+    ids = {tokenizer.eos_token_id} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
+    return sorted(i for i in ids if i is not None)
+
+
+def step_rows(dataset, step, cfg, dp_rank, dp):
+    """This rank's prompts for a step: a fresh seeded permutation every epoch, so the order follows from the step."""
+    steps_per_epoch = len(dataset) // cfg.prompts_per_step
+    if steps_per_epoch == 0:
+        raise SystemExit(f"the training split has {len(dataset)} prompts, fewer than --prompts_per_step "
+                         f"{cfg.prompts_per_step}")
+    epoch, i = divmod(step, steps_per_epoch)
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+    per_rank = cfg.prompts_per_step // dp
+    start = i * cfg.prompts_per_step + dp_rank * per_rank
+    return [dataset[j] for j in order[start:start + per_rank]]
+
+
+# ----------------------------------------------------------------------------- model and mesh
+def init_distributed(tp):
+    """Rank, world, device and the ("dp", "tp") mesh; `python train.py` runs as a world of one."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    if world % tp:
+        raise SystemExit(f"--tp {tp} does not divide the world size {world}: use a divisor of {world}")
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return rank, world, device, mesh
+
+
+def tiny_model_config(vocab_size):
+    from transformers import Qwen2Config
+    return Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       tie_word_embeddings=True)
+
+
+def check_model_config(model_config, tp):
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(model_config, field) % tp:
+            raise SystemExit(f"--tp {tp} must divide the model's {field} ({getattr(model_config, field)})")
+
+
+# Per decoder layer: q/k/v and gate/up split their output features over tp, o and down their input features,
+# so each attention block and each MLP needs one all-reduce in forward and one in backward.
+TP_PLAN = {
+    "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+}
+
+
+def parallelize(model, mesh, activation_checkpointing):
+    """TP inside each decoder layer, then activation checkpointing, then FSDP per layer and at the root."""
+    if mesh["tp"].size() > 1:
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], TP_PLAN)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # bf16 compute with fp32 master weights and fp32 gradient reduction on GPU; plain fp32 on CPU.
+    on_gpu = mesh.device_type == "cuda"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_gpu else None, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+
+
+def full_state_dict(cfg, model_config):
+    """Full fp32 weights, read on rank 0 only: the other ranks receive their shards from it."""
+    from transformers import AutoModelForCausalLM
+    if cfg.model == "tiny":
+        torch.manual_seed(cfg.seed)
+        return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).state_dict()
+    return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).state_dict()
+
+
+def build_model(model_config, mesh, device, state_dict, activation_checkpointing=False):
+    """Build on the meta device, shard, then load: no rank ever holds a full copy it does not need."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    parallelize(model, mesh, activation_checkpointing)
+    model.to_empty(device=device)
+    with torch.device(device):  # rotary frequencies are a non-persistent buffer: rebuild it off the meta device
+        model.model.rotary_emb = type(model.model.rotary_emb)(model_config)
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
+# ----------------------------------------------------------------------------- engine
+class HFEngine:
+    """Rollouts with HF generate on an unsharded copy of the policy, refreshed after every step.
+
+    The engine interface (SGLang implements the same): generate(prompts, ...) -> one dict per sample with
+    "ids" (sampled token ids, stop token included), "finish" ("stop" | "length") and "logprobs" (the engine's
+    log_softmax(logits / temperature) of each sampled token); update_weights(named full tensors); shutdown().
+    """
+
+    def __init__(self, model_config, device, pad_id):
+        from transformers import AutoModelForCausalLM, GenerationConfig
+        with torch.device(device):
+            self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).eval()
+        self.model.generation_config = GenerationConfig()  # no sampling defaults (top_k=50) sneak in
+        self.params = dict(self.model.named_parameters())
+        self.pad_id = pad_id
+
+    def update_weights(self, named_tensors):
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                self.params[name].copy_(tensor)
+
+    @torch.no_grad()
+    def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):
+        device = self.model.device
+        width = max(map(len, prompts))
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=device)  # left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        with torch.random.fork_rng(devices=[]):  # seeded sampling that leaves the global RNG alone
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=temperature > 0, temperature=temperature or None,
+                top_p=top_p, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+                pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True)
+        new = out.sequences[:, width:].tolist()
+        logits = torch.stack(out.logits, 1).float()  # [N, T, V]
+        logprobs = torch.log_softmax(logits / (temperature or 1.0), -1)
+        samples = []
+        for i, seq in enumerate(new):
+            end = next((t + 1 for t, tok in enumerate(seq) if tok in stop_ids), None)
+            seq = seq[:end]
+            lp = logprobs[i, torch.arange(len(seq)), torch.tensor(seq, dtype=torch.long)].tolist()
+            samples.append({"ids": seq, "finish": "length" if end is None else "stop", "logprobs": lp})
+        return samples
+
+    def shutdown(self):
+        del self.model, self.params
+
+
+def push_weights(model, engine):
+    """Every rank joins each all-gather; the engine's owner loads the full tensors (HF names)."""
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if engine is not None:
+            engine.update_weights([(name, full.detach())])
+
+
+def generate_rollouts(engine, tokenizer, rows, cfg, seed, tp_group):
+    """G samples per prompt, grouped by prompt. The tp group's first rank generates; the others receive."""
+    prompts = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
+    repeated = [p for p in prompts for _ in range(cfg.group_size)]
+    samples = [None]
+    if engine is not None:
+        samples = [engine.generate(repeated, cfg.temperature, cfg.top_p, cfg.max_new_tokens,
+                                   stop_token_ids(tokenizer), seed)]
+    if dist.get_world_size(tp_group) > 1:
+        dist.broadcast_object_list(samples, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+    for prompt, sample in zip(repeated, samples[0]):
+        sample["prompt_ids"] = prompt
+    return samples[0]
+
+
+# ----------------------------------------------------------------------------- reward and advantages
+def score(samples, rows, tokenizer, group_size):
+    """reward.reward_fn on each decoded completion, with the row its prompt came from."""
+    rewards = []
+    for i, sample in enumerate(samples):
+        completion = tokenizer.decode(sample["ids"], skip_special_tokens=True)
+        rewards.append(float(reward.reward_fn(completion, rows[i // group_size])))
+    return torch.tensor(rewards)
+
+
+def group_advantages(rewards, group_size, scale_std=True, eps=1e-6):
+    """(r - group mean) / (group std + eps), std unbiased as in GRPO; without the division for Dr. GRPO."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if scale_std:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+# ----------------------------------------------------------------------------- logprobs and entropy
+def logprobs_and_entropy(hidden, weight, targets, temperature):
+    """Per token: log p(target) and the entropy of softmax(hidden @ weight.T / temperature)."""
+    logits = (hidden @ weight.T).float() / temperature  # [C, V] in fp32: logsumexp in bf16 loses ~3 digits
+    logz = torch.logsumexp(logits, -1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
+    entropy = logz - (torch.softmax(logits, -1) * logits).sum(-1)
+    return logp, entropy
+
+
+def pad_batch(samples, pad_id, device):
+    """Right-padded prompt + response ids, the attention mask, and where the response tokens are."""
+    seqs = [s["prompt_ids"] + s["ids"] for s in samples]
+    width = max(map(len, seqs))
+    ids = torch.tensor([q + [pad_id] * (width - len(q)) for q in seqs], device=device)
+    mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in seqs], device=device)
+    # response[b, t]: token t + 1 of sequence b is a response token, predicted at position t.
+    response = torch.zeros_like(mask, dtype=torch.bool)
+    for b, s in enumerate(samples):
+        response[b, len(s["prompt_ids"]) - 1:len(s["prompt_ids"]) + len(s["ids"]) - 1] = True
+    return ids, mask, response
+
+
+def response_logprobs(model, samples, cfg, pad_id):
+    """Log-probs and entropies of the response tokens, flat over the samples [N_tokens].
+
+    The backbone's final hidden states go through lm_head in chunks of cfg.logprob_chunk tokens, each
+    recomputed in backward, so at most one chunk of full-vocabulary fp32 logits is alive at a time.
+    """
+    ids, mask, response = pad_batch(samples, pad_id, model.device)
+    no_logits = torch.zeros(0, dtype=torch.long, device=ids.device)
+    out = model(input_ids=ids, attention_mask=mask, logits_to_keep=no_logits, output_hidden_states=True)
+    hidden = out.hidden_states[-1][:, :-1][response[:, :-1]]  # final-norm output at response positions
+    targets = ids[:, 1:][response[:, :-1]]
+    # lm_head is a root parameter, left unsharded by FSDP after the root forward until backward.
+    weight = model.lm_head.weight
+    parts = []
+    for start in range(0, len(targets), cfg.logprob_chunk):
+        chunk = (hidden[start:start + cfg.logprob_chunk], weight, targets[start:start + cfg.logprob_chunk],
+                 cfg.temperature or 1.0)
+        parts.append(checkpoint(logprobs_and_entropy, *chunk, use_reentrant=False)
+                     if torch.is_grad_enabled() else logprobs_and_entropy(*chunk))
+    logp, entropy = (torch.cat(x) for x in zip(*parts))
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------- loss
+def policy_loss(logp, old_logp, advantages, weights, clip_low, clip_high,
+                beta=0.0, ref_logp=None, entropy_coef=0.0, entropy=None):
+    """Clipped surrogate per response token, summed with `weights` (which carry the aggregation).
+
+    All inputs are flat over response tokens [N]. Returns the loss and metric sums over the tokens.
+    """
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    metrics = {"clip_frac": (clipped < unclipped).sum().item(), "kl": 0.0}
+    if beta > 0:
+        delta = ref_logp - logp
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
+        per_token = per_token + beta * kl
+        metrics["kl"] = kl.sum().item()
+    if entropy_coef > 0:
+        per_token = per_token - entropy_coef * entropy
+    return (per_token * weights).sum(), metrics
+
+
+def token_weights(samples, loss_agg, dp_group, device):
+    """Per-token loss weights of one mini-batch, flat [N]. FSDP averages gradients over dp, so the weights are
+    scaled by dp and normalised by global counts: micro-batches then sum to exactly the full-batch gradient."""
+    lengths = torch.tensor([len(s["ids"]) for s in samples], dtype=torch.float64, device=device)
+    counts = torch.stack([lengths.sum(), torch.tensor(float(len(samples)), dtype=torch.float64, device=device)])
+    dist.all_reduce(counts, group=dp_group)
+    dp = dist.get_world_size(dp_group)
+    if loss_agg == "token":
+        per_seq = torch.full_like(lengths, dp / counts[0].item())
+    else:
+        per_seq = dp / (lengths.clamp(min=1) * counts[1])
+    return per_seq.repeat_interleave(lengths.long()).float()
+
+
+# ----------------------------------------------------------------------------- update
+def reduce_qk_norm_grads(model, tp_group):
+    """Qwen3's q_norm / k_norm weights are replicated over tp, but each rank normalises only its own heads, so
+    each holds a partial gradient: sum them over the tp group (without this, tp ranks drift apart)."""
+    for name, param in model.named_parameters():
+        if name.endswith(("q_norm.weight", "k_norm.weight")) and param.grad is not None:
+            dist.all_reduce(param.grad.to_local(), group=tp_group)
+
+
+def clip_grad_norm(model, max_norm):
+    """The global grad norm, and gradients scaled to at most max_norm. torch's clip_grad_norm_ cannot mix
+    DTensors of the dp mesh (root, norms) and the (dp, tp) mesh (TP weights): take a norm per mesh, combine,
+    and scale by a Python float. A non-finite norm is returned without touching the gradients."""
+    by_mesh = defaultdict(list)
+    for param in model.parameters():
+        if param.grad is not None:
+            by_mesh[getattr(param.grad, "device_mesh", None)].append(param.grad)
+    total_sq = 0.0
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        total_sq += (norm.full_tensor() if isinstance(norm, DTensor) else norm).item() ** 2
+    total = math.sqrt(total_sq)
+    if math.isfinite(total) and max_norm > 0 and total > max_norm:
+        for grads in by_mesh.values():
+            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+    return total
+
+
+def micro_batches(samples, size):
+    return [samples[i:i + size] for i in range(0, len(samples), size)]
+
+
+def flat(samples, key):
+    """Concatenate per-token values (tensors or lists) of samples; a per-sample float covers all its tokens."""
+    return torch.cat([torch.full((len(s["ids"]),), s[key]) if isinstance(s[key], float)
+                      else torch.as_tensor(s[key], dtype=torch.float32) for s in samples])
+
+
+def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id, ref_model=None):
+    """cfg.num_minibatches optimizer steps over one rollout batch; returns metric sums over this rank's tokens.
+
+    Each sample carries "ids", "prompt_ids", "advantage" and the engine's "logprobs". The ratio's denominator is
+    the policy that sampled: the first mini-batch is trained before any update, so its logprobs serve (detached);
+    later mini-batches need a no-grad pass before the first update.
+    """
+    keys = ("clip_frac", "kl", "entropy", "tokens", "mismatch_abs", "mismatch_kl", "skipped_steps", "grad_norm")
+    sums = dict.fromkeys(keys, 0.0)  # the same keys on every rank: they are all-reduced
+    per_minibatch = len(samples) // cfg.num_minibatches
+    timer = time.perf_counter()
+    with torch.no_grad():
+        for batch in micro_batches(samples[per_minibatch:], cfg.micro_batch_size):
+            logp, _ = response_logprobs(model, batch, cfg, pad_id)
+            for s, lp in zip(batch, logp.split([len(s["ids"]) for s in batch])):
+                s["old_logp"] = lp
+        for batch in micro_batches(samples, cfg.micro_batch_size) if ref_model is not None else []:
+            logp, _ = response_logprobs(ref_model, batch, cfg, pad_id)
+            for s, lp in zip(batch, logp.split([len(s["ids"]) for s in batch])):
+                s["ref_logp"] = lp
+    sums["time_logprobs"] = time.perf_counter() - timer
+    dp_group, device = mesh["dp"].get_group(), model.device
+    for m in range(cfg.num_minibatches):
+        minibatch = samples[m * per_minibatch:(m + 1) * per_minibatch]
+        weights = token_weights(minibatch, cfg.loss_agg, dp_group, device)
+        offset = 0
+        for batch in micro_batches(minibatch, cfg.micro_batch_size):
+            logp, entropy = response_logprobs(model, batch, cfg, pad_id)
+            if m == 0:
+                for s, lp in zip(batch, logp.detach().split([len(s["ids"]) for s in batch])):
+                    s["old_logp"] = lp
+            old_logp = flat(batch, "old_logp")
+            loss, metrics = policy_loss(
+                logp, old_logp, flat(batch, "advantage").to(device), weights[offset:offset + len(logp)],
+                cfg.clip_low, cfg.clip_high, cfg.beta, flat(batch, "ref_logp") if cfg.beta > 0 else None,
+                cfg.entropy_coef, entropy)
+            loss.backward()
+            offset += len(logp)
+            for key, value in metrics.items():
+                sums[key] += value
+            sums["entropy"] += entropy.detach().sum().item()
+            sums["tokens"] += len(logp)
+            # How far the engine's sampling distribution is from the trainer's on the sampled tokens: a stale
+            # or wrong weight push shows up here at once. k3 estimate of KL(engine || trainer).
+            log_ratio = old_logp - flat(batch, "logprobs").to(device)
+            sums["mismatch_abs"] += log_ratio.abs().sum().item()
+            sums["mismatch_kl"] += (log_ratio.exp() - 1 - log_ratio).sum().item()
+        if mesh["tp"].size() > 1:
+            reduce_qk_norm_grads(model, mesh["tp"].get_group())
+        grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        else:
+            sums["skipped_steps"] += 1
+        optimizer.zero_grad(set_to_none=True)
+        sums["grad_norm"] += grad_norm / cfg.num_minibatches
+    return sums
+
+
+def lr_lambda(cfg):
+    """Linear warm-up, then constant or cosine down to 10% of --lr at the last step."""
+    def factor(step):
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+# ----------------------------------------------------------------------------- logging
+def rollout_sums(samples, rewards):
+    lengths = [len(s["ids"]) for s in samples]
+    return {"reward": rewards.sum().item(), "accuracy": (rewards >= 1).sum().item(), "samples": len(samples),
+            "response_len": sum(lengths), "truncated": sum(s["finish"] == "length" for s in samples)}
+
+
+def reduce_over_dp(sums, maxes, mesh, device):
+    """Sums and maxima over the dp ranks (tp ranks of one dp group hold the same values)."""
+    group = mesh["dp"].get_group()
+    keys = sorted(sums)
+    total = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(total, group=group)
+    top = torch.tensor([float(v) for v in maxes.values()], dtype=torch.float64, device=device)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(keys, total.tolist())), dict(zip(maxes, top.tolist()))
+
+
+def step_metrics(sums, maxes, lr, seconds):
+    """The numbers of one step, as logged: means over samples or response tokens of all ranks."""
+    n, tokens = sums["samples"], max(sums["tokens"], 1)
+    metrics = {"reward": sums["reward"] / n, "accuracy": sums["accuracy"] / n,
+               "response_len": sums["response_len"] / n, "response_len_max": maxes["response_len_max"],
+               "truncated": sums["truncated"] / n, "entropy": sums["entropy"] / tokens,
+               "kl": sums["kl"] / tokens, "clip_frac": sums["clip_frac"] / tokens,
+               "mismatch_abs": sums["mismatch_abs"] / tokens, "mismatch_kl": sums["mismatch_kl"] / tokens,
+               "grad_norm": maxes["grad_norm"], "skipped_steps": sums["skipped_steps"], "lr": lr,
+               "tokens_per_s": sums["response_len"] / seconds, "time_step": seconds}
+    for stage in ("generate", "reward", "logprobs", "train", "push"):
+        metrics[f"time_{stage}"] = maxes[f"time_{stage}"]
+    return metrics
+
+
+def log_step(step, metrics, cfg, wandb_run):
+    line = (f"step {step + 1}/{cfg.steps} | reward {metrics['reward']:.3f} | acc {metrics['accuracy']:.3f} | "
+            f"len {metrics['response_len']:.1f} | ent {metrics['entropy']:.3f} | kl {metrics['kl']:.4f} | "
+            f"clip {metrics['clip_frac']:.3f} | gnorm {metrics['grad_norm']:.3f} | lr {metrics['lr']:.2e} | "
+            f"mismatch {metrics['mismatch_abs']:.2e} | {metrics['time_step']:.2f}s "
+            f"(gen {metrics['time_generate']:.2f} train {metrics['time_train']:.2f} "
+            f"push {metrics['time_push']:.2f}) | {metrics['tokens_per_s']:.0f} tok/s")
+    print(line, flush=True)
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
+    if wandb_run is not None:
+        wandb_run.log(metrics, step=step + 1)
+
+
+# ----------------------------------------------------------------------------- main
+def main():
+    cfg = parse_config()
+    rank, world, device, mesh = init_distributed(cfg.tp)
+    check_config(cfg, world)
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    print0 = print if rank == 0 else (lambda *a, **k: None)
+    print0(json.dumps(asdict(cfg), indent=1))
+
+    tokenizer = load_tokenizer(cfg)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_set = PromptDataset(cfg, "train")
+    from transformers import AutoConfig
+    model_config = tiny_model_config(len(tokenizer)) if cfg.model == "tiny" else AutoConfig.from_pretrained(cfg.model)
+    check_model_config(model_config, cfg.tp)
+
+    state_dict = full_state_dict(cfg, model_config) if rank == 0 else {}
+    model = build_model(model_config, mesh, device, state_dict, cfg.activation_checkpointing)
+    ref_model = None
+    if cfg.beta > 0:
+        ref_model = build_model(model_config, mesh, device, state_dict).requires_grad_(False)
+    del state_dict
+    # Built before the first forward: after any forward FSDP2 leaves root parameters unsharded, and an
+    # optimizer built then would hold tensors that never update.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+    engine = HFEngine(model_config, device, pad_id) if mesh["tp"].get_local_rank() == 0 else None
+    push_weights(model, engine)
+    wandb_run = None
+    if rank == 0:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+            json.dump(asdict(cfg), f, indent=1)
+        if cfg.wandb_project:
+            import wandb
+            wandb_run = wandb.init(project=cfg.wandb_project, config=asdict(cfg),
+                                   mode="offline" if cfg.wandb_offline else "online", dir=cfg.out_dir)
+
+    for step in range(cfg.steps):
+        times, start = {}, time.perf_counter()
+        # --- generate: G samples per prompt from the engine
+        rows = step_rows(train_set, step, cfg, dp_rank, dp)
+        seed = (cfg.seed * 1_000_003 + step) * dp + dp_rank
+        samples = generate_rollouts(engine, tokenizer, rows, cfg, seed, mesh["tp"].get_group())
+        times["time_generate"] = time.perf_counter() - start
+        # --- reward
+        timer = time.perf_counter()
+        rewards = score(samples, rows, tokenizer, cfg.group_size)
+        times["time_reward"] = time.perf_counter() - timer
+        # --- advantages: within each group of G samples of one prompt
+        for sample, advantage in zip(samples, group_advantages(rewards, cfg.group_size, cfg.scale_std).tolist()):
+            sample["advantage"] = advantage
+        # --- logprobs, loss and update
+        timer = time.perf_counter()
+        model.train()
+        sums = train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id, ref_model)
+        scheduler.step()
+        times["time_logprobs"] = sums.pop("time_logprobs")
+        times["time_train"] = time.perf_counter() - timer - times["time_logprobs"]
+        # --- push the new weights into the engine
+        timer = time.perf_counter()
+        push_weights(model, engine)
+        times["time_push"] = time.perf_counter() - timer
+        # --- log
+        sums.update(rollout_sums(samples, rewards))
+        maxes = {"response_len_max": max(len(s["ids"]) for s in samples), "grad_norm": sums.pop("grad_norm"), **times}
+        sums, maxes = reduce_over_dp(sums, maxes, mesh, device)
+        metrics = step_metrics(sums, maxes, scheduler.get_last_lr()[0], time.perf_counter() - start)
+        if rank == 0:
+            log_step(step, metrics, cfg, wandb_run)
+
+    if engine is not None:
+        engine.shutdown()
+    if wandb_run is not None:
+        wandb_run.finish()
+    dist.barrier()  # gloo aborts a rank whose peer tears down first
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
