@@ -47,7 +47,8 @@ class Config:
     # model and task
     model: str = "Qwen/Qwen2.5-3B-Instruct"  # hub id or local folder; "tiny": random tiny Qwen2 + character tokenizer
     task: str = "countdown"  # countdown | gsm8k | toy
-    data_path: str = "openai/gsm8k"  # gsm8k: hub id, or a local .json / .jsonl / .parquet file
+    data_path: str = "openai/gsm8k"  # gsm8k: hub id (splits train / test), or a local .json / .jsonl / .parquet file
+    test_data_path: str = ""  # gsm8k from a local file: the held-out file
     train_size: int = 20000  # countdown / toy: problems generated for training
     test_size: int = 500  # countdown / toy: held-out problems, disjoint from training
     preset: str = ""  # "cpu": tiny model, toy task, small batches; flags given explicitly still win
@@ -94,13 +95,15 @@ PRESETS = {
 
 def parse_config(argv=None):
     from transformers import HfArgumentParser
-    parser = HfArgumentParser(Config)
+    parser = HfArgumentParser(Config, allow_abbrev=False)
     preset = parser.parse_known_args(argv)[0].preset
     if preset:
         if preset not in PRESETS:
             raise SystemExit(f"--preset {preset!r} is unknown: choose one of {sorted(PRESETS)}")
         parser.set_defaults(**PRESETS[preset])
-    (cfg,) = parser.parse_args_into_dataclasses(argv)  # unknown flags raise
+    cfg, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    if unknown:
+        raise SystemExit(f"unknown flags {unknown}: every flag is a field of Config in train.py")
     return cfg
 
 
@@ -108,6 +111,9 @@ def check_config(cfg, world):
     """Catch bad flags before any model is loaded; each message names the flag to change."""
     choices = dict(task=("countdown", "gsm8k", "toy"), engine=("hf",), loss_agg=("token", "sequence"),
                    lr_schedule=("constant", "cosine"))
+    for flag in ("tp", "prompts_per_step", "num_minibatches", "micro_batch_size", "max_new_tokens", "logprob_chunk"):
+        if getattr(cfg, flag) < 1:
+            raise SystemExit(f"--{flag} must be at least 1, not {getattr(cfg, flag)}")
     for flag, allowed in choices.items():
         if getattr(cfg, flag) not in allowed:
             raise SystemExit(f"--{flag} {getattr(cfg, flag)!r}: choose one of {allowed}")
@@ -164,10 +170,13 @@ def load_rows(cfg, split):
         n = cfg.test_size if split == "test" else cfg.train_size
         return [{"target": "a"} for _ in range(n)]
     import datasets
-    if os.path.isfile(cfg.data_path):
-        kind = "parquet" if cfg.data_path.endswith(".parquet") else "json"
-        return list(datasets.load_dataset(kind, data_files=cfg.data_path, split="train"))
-    return list(datasets.load_dataset(cfg.data_path, "main", split=split))
+    if not os.path.isfile(cfg.data_path):
+        return list(datasets.load_dataset(cfg.data_path, "main", split=split))
+    path = cfg.data_path if split == "train" else cfg.test_data_path
+    if not path:
+        raise SystemExit("--data_path is a local file: give the held-out rows with --test_data_path")
+    kind = "parquet" if path.endswith(".parquet") else "json"
+    return list(datasets.load_dataset(kind, data_files=path, split="train"))
 
 
 class PromptDataset(torch.utils.data.Dataset):
@@ -199,12 +208,12 @@ def char_tokenizer():
     import tokenizers
     from transformers import PreTrainedTokenizerFast
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    chars = sorted(set(string.printable) - set("\r\x0b\x0c"))
-    vocab = {token: i for i, token in enumerate(specials + chars)}
+    vocab = {token: i for i, token in enumerate(specials + sorted(set(string.printable)))}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), "isolated")
     tok.decoder = tokenizers.decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
 
 
 def load_tokenizer(cfg):
@@ -239,7 +248,8 @@ def step_rows(dataset, step, cfg, dp_rank, dp):
         raise SystemExit(f"the training split has {len(dataset)} prompts, fewer than --prompts_per_step "
                          f"{cfg.prompts_per_step}")
     epoch, i = divmod(step, steps_per_epoch)
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+    order = torch.randperm(len(dataset), generator=generator).tolist()
     per_rank = cfg.prompts_per_step // dp
     start = i * cfg.prompts_per_step + dp_rank * per_rank
     return [dataset[j] for j in order[start:start + per_rank]]
@@ -319,7 +329,9 @@ def build_model(model_config, mesh, device, state_dict, activation_checkpointing
     model.to_empty(device=device)
     with torch.device(device):  # rotary frequencies are a non-persistent buffer: rebuild it off the meta device
         model.model.rotary_emb = type(model.model.rotary_emb)(model_config)
-    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # A shallow copy: set_model_state_dict replaces the entries of the dict it is given with their shards.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, dict(state_dict), options=options)
     return model
 
 

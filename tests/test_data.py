@@ -1,0 +1,359 @@
+"""The data stage: problems, datasets, tokenizers, prompt rendering, per-step sharding of prompts, and flags."""
+import copy
+import itertools
+import json
+import string
+from fractions import Fraction
+
+import pytest
+
+import reward
+import train
+
+# ---------------------------------------------------------------------------------------------------------------
+# countdown
+
+
+def solve_countdown(nums, target):
+    """An expression using every number of `nums` once, equal to `target`, or None. Brute force over all binary
+    expression trees: repeatedly replace two of the remaining values by one of their combinations, in exact
+    Fractions, so every ordering and every bracketing is tried."""
+    target = Fraction(target)
+
+    def search(items):  # items: [(value, expression string)]
+        if len(items) == 1:
+            return items[0][1] if items[0][0] == target else None
+        for i, j in itertools.permutations(range(len(items)), 2):
+            (a, ea), (b, eb) = items[i], items[j]
+            rest = [items[k] for k in range(len(items)) if k not in (i, j)]
+            combos = [(a + b, f"({ea} + {eb})"), (a - b, f"({ea} - {eb})"), (a * b, f"({ea} * {eb})")]
+            if b != 0:
+                combos.append((a / b, f"({ea} / {eb})"))
+            for value, expr in combos:
+                found = search(rest + [(value, expr)])
+                if found is not None:
+                    return found
+        return None
+
+    return search([(Fraction(n), str(n)) for n in nums])
+
+
+def key(problem):
+    return tuple(sorted(problem["nums"])), problem["target"]
+
+
+def test_solver_finds_known_solution_and_rejects_unsolvable():
+    expr = solve_countdown([3, 4, 5, 25], 83)
+    assert expr is not None and eval(expr, {"__builtins__": {}}) == 83  # noqa: S307 -- the solver's own digits and ops
+    assert solve_countdown([6, 4, 3], 8) is not None  # 6 / (3 / 4) needs a fraction in between
+    assert solve_countdown([1, 1, 1], 100) is None
+
+
+def test_countdown_problems_are_solvable_with_every_number_once():
+    problems = train.countdown_problems(200, seed=0)
+    assert len(problems) == 200
+    for p in problems:
+        assert solve_countdown(p["nums"], p["target"]) is not None, p
+
+
+def test_countdown_problems_have_three_or_four_numbers_in_range_and_integer_targets():
+    problems = train.countdown_problems(200, seed=0)
+    assert {len(p["nums"]) for p in problems} == {3, 4}
+    for p in problems:
+        assert all(isinstance(n, int) and 1 <= n <= 99 for n in p["nums"]), p
+        assert isinstance(p["target"], int) and 1 <= p["target"] <= 1000, p
+
+
+def test_countdown_problems_are_distinct():
+    problems = train.countdown_problems(500, seed=0)
+    assert len({key(p) for p in problems}) == 500
+
+
+def test_countdown_problems_follow_the_seed():
+    assert train.countdown_problems(50, seed=3) == train.countdown_problems(50, seed=3)
+    assert {key(p) for p in train.countdown_problems(50, seed=3)} != {key(p) for p in train.countdown_problems(50, 4)}
+
+
+def test_countdown_solution_scores_one_through_reward():
+    """Data and reward agree: a solution found independently of the generator earns the full reward."""
+    dataset = train.PromptDataset(train.Config(task="countdown", train_size=30, test_size=10), "train")
+    for i in range(len(dataset)):
+        item = dataset[i]
+        expr = solve_countdown(item["nums"], item["target"])
+        completion = f"<think> search </think> <answer>{expr}</answer>"
+        assert reward.countdown_reward(completion, item["nums"], item["target"]) == 1.0, (item, expr)
+        assert reward.reward_fn(completion, item) == 1.0
+
+
+def test_countdown_item_is_a_chat_prompt_naming_numbers_and_target():
+    item = train.PromptDataset(train.Config(task="countdown", train_size=5, test_size=5), "test")[0]
+    assert item["task"] == "countdown"
+    [message] = item["prompt"]
+    assert message["role"] == "user"
+    assert str(item["nums"]) in message["content"] and f"equals {item['target']}" in message["content"]
+    assert "<answer>" in message["content"]
+
+
+def test_countdown_train_and_test_splits_are_disjoint_and_sized():
+    cfg = train.Config(task="countdown", train_size=300, test_size=50)
+    train_rows, test_rows = train.load_rows(cfg, "train"), train.load_rows(cfg, "test")
+    assert len(train_rows) == 300 and len(test_rows) == 50
+    assert len({key(p) for p in train_rows}) == 300 and len({key(p) for p in test_rows}) == 50
+    assert not {key(p) for p in train_rows} & {key(p) for p in test_rows}
+    assert len(train.PromptDataset(cfg, "train")) == 300 and len(train.PromptDataset(cfg, "test")) == 50
+
+
+def test_countdown_test_split_does_not_depend_on_train_size():
+    """The held-out set stays the same when only --train_size changes, so evaluations stay comparable."""
+    small = train.load_rows(train.Config(task="countdown", train_size=10, test_size=50), "test")
+    large = train.load_rows(train.Config(task="countdown", train_size=400, test_size=50), "test")
+    assert small == large
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gsm8k from a local file
+
+GSM8K_ROWS = [
+    {"question": "A farm has 1,000 hens and buys 234 more. How many hens does it have?",
+     "answer": "It has 1000 + 234 = <<1000+234=1234>>1234 hens.\n#### 1,234"},
+    {"question": "Tom has 3 apples and eats one. How many are left?", "answer": "3 - 1 = 2\n#### 2"},
+]
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch):
+    """Keep the `datasets` cache of local files inside the test's tmp_path."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+
+
+def check_gsm8k_item(item):
+    assert item["task"] == "gsm8k"
+    assert item["answer"] == "1,234"
+    [message] = item["prompt"]
+    assert message["role"] == "user" and GSM8K_ROWS[0]["question"] in message["content"]
+    assert reward.reward_fn("So the farm has \\boxed{1234} hens.", item) == 1.0
+    assert reward.reward_fn("So the farm has \\boxed{1235} hens.", item) == 0.0
+
+
+def test_gsm8k_jsonl_file_gives_question_prompt_and_answer_after_hashes(tmp_path, datasets_cache):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in GSM8K_ROWS))
+    dataset = train.PromptDataset(train.Config(task="gsm8k", data_path=str(path)), "train")
+    assert len(dataset) == 2
+    check_gsm8k_item(dataset[0])
+    assert dataset[1]["answer"] == "2"
+    held_out = tmp_path / "test.jsonl"
+    held_out.write_text(json.dumps(GSM8K_ROWS[1]) + "\n")
+    cfg = train.Config(task="gsm8k", data_path=str(path), test_data_path=str(held_out))
+    assert [row["answer"] for row in train.PromptDataset(cfg, "test")] == ["2"]
+    with pytest.raises(SystemExit, match="--test_data_path"):
+        train.load_rows(train.Config(task="gsm8k", data_path=str(path)), "test")
+
+
+def test_gsm8k_parquet_file_gives_question_prompt_and_answer_after_hashes(tmp_path, datasets_cache):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    path = tmp_path / "gsm8k.parquet"
+    pq.write_table(pa.Table.from_pylist(GSM8K_ROWS), path)
+    dataset = train.PromptDataset(train.Config(task="gsm8k", data_path=str(path)), "train")
+    assert len(dataset) == 2
+    check_gsm8k_item(dataset[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tokenizers and prompt rendering
+
+IM_START, IM_END, ENDOFTEXT = 151644, 151645, 151643
+MESSAGES = [{"role": "user", "content": "Using the numbers [3, 5, 25], create an equation that equals 80."}]
+
+
+def test_qwen_tokenizer_fixture_is_the_qwen_bpe(qwen_tokenizer):
+    tok = qwen_tokenizer
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [ENDOFTEXT, IM_START, IM_END]
+    assert len(tok) == 151646
+    assert (tok.eos_token_id, tok.pad_token_id) == (IM_END, ENDOFTEXT)
+    assert tok("Hello world", add_special_tokens=False).input_ids == [9707, 1879]  # as Qwen2.5's tokenizer.json
+    assert tok("<|im_start|>user\n", add_special_tokens=False).input_ids == [IM_START, 872, 198]
+    assert len(tok("12345", add_special_tokens=False).input_ids) == 5  # Qwen splits digits one at a time
+    text = "Grüße, 世界! 3 * (4 + 5) = 27\n<answer> 1 </answer>"
+    assert tok.decode(tok(text, add_special_tokens=False).input_ids) == text
+
+
+def test_encode_prompt_with_chat_template_renders_chatml_and_generation_prompt(qwen_tokenizer):
+    tok = qwen_tokenizer
+    ids = train.encode_prompt(tok, MESSAGES)
+
+    def enc(text):
+        return tok(text, add_special_tokens=False).input_ids
+
+    expected = [IM_START] + enc("user\n" + MESSAGES[0]["content"]) + [IM_END] + enc("\n") + [IM_START] + enc(
+        "assistant\n")
+    assert ids == expected
+    assert ids[0] == IM_START and ids[-3:] == enc("<|im_start|>assistant\n") == [IM_START, 77091, 198]
+
+
+def test_encode_prompt_without_chat_template_renders_plain_template(qwen_tokenizer):
+    base = copy.copy(qwen_tokenizer)
+    base.chat_template = None
+    ids = train.encode_prompt(base, MESSAGES)
+    assert IM_START not in ids and IM_END not in ids
+    text = base.decode(ids)
+    assert text == train.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
+    assert text.startswith("A conversation between User and Assistant.") and text.endswith("Assistant: <think>")
+    assert MESSAGES[0]["content"] in text
+    assert qwen_tokenizer.chat_template  # the shared fixture keeps its template
+
+
+def test_encode_prompt_encodes_a_string_prompt_as_is(qwen_tokenizer):
+    assert train.encode_prompt(qwen_tokenizer, "Say a:") == qwen_tokenizer("Say a:", add_special_tokens=False).input_ids
+    assert qwen_tokenizer.decode(train.encode_prompt(qwen_tokenizer, "Say a:")) == "Say a:"
+    assert train.encode_prompt(train.char_tokenizer(), "Say a:") == [train.char_tokenizer().get_vocab()[c]
+                                                                     for c in "Say a:"]
+
+
+def test_stop_token_ids_of_qwen_are_im_end_and_endoftext(qwen_tokenizer):
+    assert train.stop_token_ids(qwen_tokenizer) == [ENDOFTEXT, IM_END]
+
+
+def test_load_tokenizer_reads_a_local_folder(qwen_tokenizer, tmp_path):
+    qwen_tokenizer.save_pretrained(tmp_path)
+    tok = train.load_tokenizer(train.Config(model=str(tmp_path)))
+    assert train.encode_prompt(tok, MESSAGES) == train.encode_prompt(qwen_tokenizer, MESSAGES)
+    assert train.stop_token_ids(tok) == [ENDOFTEXT, IM_END]
+
+
+PRINTABLE = "".join(sorted(set(string.printable) - set("\r\x0b\x0c")))
+
+
+def test_char_tokenizer_round_trips_printable_text():
+    tok = train.char_tokenizer()
+    for text in [PRINTABLE, "Say a: aaaa", "Hello , world ! it 's (3 + 4) * 5 = 35 .\n\tdon 't", "  two  spaces  "]:
+        ids = tok(text, add_special_tokens=False).input_ids
+        assert len(ids) == len(text)  # one id per character
+        assert tok.decode(ids) == text
+
+
+def test_char_tokenizer_eos_and_pad_are_single_ids():
+    tok = train.char_tokenizer()
+    assert tok("<|im_end|>", add_special_tokens=False).input_ids == [tok.eos_token_id]
+    assert tok("<|endoftext|>", add_special_tokens=False).input_ids == [tok.pad_token_id]
+    assert tok.eos_token_id != tok.pad_token_id
+    ids = tok("ab<|im_end|>", add_special_tokens=False).input_ids
+    assert len(ids) == 3 and tok.decode(ids, skip_special_tokens=True) == "ab"
+
+
+def test_char_tokenizer_im_start_is_a_single_id():
+    tok = train.char_tokenizer()
+    assert tok("<|im_start|>", add_special_tokens=False).input_ids == [tok.get_vocab()["<|im_start|>"]]
+
+
+def test_char_tokenizer_stop_ids_contain_eos():
+    tok = train.char_tokenizer()
+    stops = train.stop_token_ids(tok)
+    assert tok.eos_token_id in stops
+    assert stops == sorted({tok.get_vocab()["<|im_end|>"], tok.get_vocab()["<|endoftext|>"]})
+
+
+def test_load_tokenizer_tiny_is_the_char_tokenizer_without_chat_template():
+    tok = train.load_tokenizer(train.Config(model="tiny"))
+    assert tok.get_vocab() == train.char_tokenizer().get_vocab()
+    assert not tok.chat_template
+    ids = train.encode_prompt(tok, MESSAGES)  # so chat prompts render the plain template
+    assert tok.decode(ids) == train.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# step_rows: which prompts each data-parallel rank gets at each step
+
+
+def test_step_rows_splits_a_step_disjointly_over_dp_ranks():
+    cfg = train.Config(prompts_per_step=8, seed=0)
+    dataset = list(range(40))
+    for step in range(7):
+        rank0, rank1 = (train.step_rows(dataset, step, cfg, r, 2) for r in range(2))
+        assert len(rank0) == len(rank1) == 4
+        assert not set(rank0) & set(rank1)
+        assert len(set(rank0) | set(rank1)) == 8
+
+
+def test_step_rows_is_deterministic():
+    cfg = train.Config(prompts_per_step=8, seed=5)
+    dataset = list(range(40))
+    for step in (0, 3, 11):
+        assert train.step_rows(dataset, step, cfg, 1, 2) == train.step_rows(dataset, step, cfg, 1, 2)
+
+
+def test_step_rows_never_repeats_a_row_within_an_epoch():
+    cfg = train.Config(prompts_per_step=8, seed=0)
+    dataset = list(range(43))  # 5 steps an epoch; 3 rows left over
+    for epoch in range(2):
+        seen = [row for step in range(5 * epoch, 5 * epoch + 5) for r in range(2)
+                for row in train.step_rows(dataset, step, cfg, r, 2)]
+        assert len(seen) == len(set(seen)) == 40
+    assert train.step_rows(dataset, 0, cfg, 0, 2) != train.step_rows(dataset, 5, cfg, 0, 2)  # reshuffled
+
+
+def test_step_rows_returns_dataset_items():
+    cfg = train.Config(task="countdown", train_size=20, test_size=5, prompts_per_step=4)
+    dataset = train.PromptDataset(cfg, "train")
+    rows = train.step_rows(dataset, 0, cfg, 0, 2)
+    assert len(rows) == 2 and all(row["task"] == "countdown" and row["prompt"] for row in rows)
+
+
+def test_step_rows_with_fewer_rows_than_prompts_per_step_names_the_flag():
+    with pytest.raises(SystemExit, match="--prompts_per_step"):
+        train.step_rows(list(range(7)), 0, train.Config(prompts_per_step=8), 0, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parse_config and check_config
+
+
+def test_cpu_preset_sets_its_values_and_keeps_other_defaults():
+    cfg = train.parse_config(["--preset", "cpu"])
+    assert (cfg.model, cfg.task, cfg.steps, cfg.lr, cfg.prompts_per_step, cfg.group_size) == ("tiny", "toy", 30,
+                                                                                                1e-2, 8, 8)
+    assert (cfg.max_new_tokens, cfg.warmup_steps, cfg.micro_batch_size, cfg.out_dir) == (16, 0, 32, "runs/cpu")
+    assert (cfg.train_size, cfg.test_size) == (1000, 100)
+    assert (cfg.clip_low, cfg.clip_high, cfg.tp, cfg.seed) == (0.2, 0.28, 1, 0)  # not in the preset: defaults
+    train.check_config(cfg, world=2)
+
+
+def test_explicit_flag_wins_over_preset_in_either_order():
+    assert train.parse_config(["--preset", "cpu", "--lr", "0.5"]).lr == 0.5
+    assert train.parse_config(["--lr", "0.5", "--preset", "cpu"]).lr == 0.5
+    assert train.parse_config(["--preset", "cpu", "--lr", "0.5"]).steps == 30
+
+
+def test_no_flags_give_config_defaults():
+    assert train.parse_config([]) == train.Config()
+
+
+def test_unknown_flag_raises_value_error_naming_it():
+    with pytest.raises(SystemExit, match="--lr_typo"):
+        train.parse_config(["--lr_typo", "3"])
+
+
+def test_unknown_preset_names_the_flag():
+    with pytest.raises(SystemExit, match="--preset"):
+        train.parse_config(["--preset", "gpu9000"])
+
+
+@pytest.mark.parametrize("flags, world, flag", [
+    (dict(tp=2), 3, "--tp"),
+    (dict(tp=2, prompts_per_step=6), 8, "--prompts_per_step"),  # dp = 4
+    (dict(prompts_per_step=8, group_size=3, num_minibatches=5), 2, "--num_minibatches"),  # 12 samples a rank
+    (dict(task="mnist"), 1, "--task"),
+    (dict(loss_agg="mean"), 1, "--loss_agg"),
+    (dict(group_size=1), 1, "--group_size"),
+])
+def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):
+    with pytest.raises(SystemExit, match=flag):
+        train.check_config(train.Config(**flags), world)
+
+
+def test_check_config_accepts_valid_configs():
+    train.check_config(train.Config(), world=1)
+    train.check_config(train.Config(tp=2), world=8)  # dp 4: 8 prompts, 64 samples a rank
+    train.check_config(train.Config(prompts_per_step=8, group_size=3, num_minibatches=4), world=2)
