@@ -31,32 +31,40 @@ def make_samples(n, seed):
     return samples
 
 
-def reference_step(model, samples, lr, max_norm, optimizer_name, clip_low=0.2, clip_high=0.28):
-    """One step of the token-mean clipped surrogate on an unsharded model, straight from the formula."""
+def reference_step(model, minibatches, lr, max_norm, optimizer_name, clip_low=0.2, clip_high=0.28):
+    """Token-mean clipped surrogate on an unsharded model, straight from the formula: one optimizer step per
+    mini-batch, the ratio taken against the policy before the first step. Returns the mean grad norm."""
     optimizer = make_optimizer(optimizer_name, model.parameters(), lr)
-    total_tokens = sum(len(s["ids"]) for s in samples)
-    loss = 0.0
-    for s in samples:
-        ids = torch.tensor([s["prompt_ids"] + s["ids"]])
-        logits = model(ids).logits[0].double()
-        logp_all = torch.log_softmax(logits, -1)
+
+    def logprobs(s):
+        logits = model(torch.tensor([s["prompt_ids"] + s["ids"]])).logits[0].double()
         p = len(s["prompt_ids"])
-        logp = logp_all[p - 1:-1].gather(-1, torch.tensor(s["ids"])[:, None]).squeeze(-1)
-        ratio = torch.exp(logp - logp.detach())
-        adv = s["advantage"]
-        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
-        loss = loss - surrogate.sum() / total_tokens
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
-    optimizer.step()
-    return norm
+        return torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, torch.tensor(s["ids"])[:, None]).squeeze(-1)
+
+    with torch.no_grad():
+        old = [[logprobs(s) for s in minibatch] for minibatch in minibatches]
+    norms = []
+    for minibatch, old_logps in zip(minibatches, old):
+        total_tokens = sum(len(s["ids"]) for s in minibatch)
+        loss = 0.0
+        for s, old_logp in zip(minibatch, old_logps):
+            ratio = torch.exp(logprobs(s) - old_logp)
+            adv = s["advantage"]
+            surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+            loss = loss - surrogate.sum() / total_tokens
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return sum(norms) / len(norms)
 
 
 def make_optimizer(name, params, lr):
     return torch.optim.SGD(params, lr=lr) if name == "sgd" else torch.optim.AdamW(params, lr=lr)
 
 
-def sharded_vs_unsharded(rank, world, family, tied, dp, tp, optimizer_name, max_norm, activation_checkpointing):
+def sharded_vs_unsharded(rank, world, family, tied, dp, tp, optimizer_name, max_norm, activation_checkpointing,
+                         num_minibatches=1):
     config = tiny_config(family, tied)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config)
@@ -71,12 +79,15 @@ def sharded_vs_unsharded(rank, world, family, tied, dp, tp, optimizer_name, max_
     with torch.no_grad():
         logits_diff = (model(ids).logits - reference(ids).logits).abs().max().item()
 
-    cfg = train.Config(micro_batch_size=3, max_grad_norm=max_norm, temperature=1.0)
-    dp_rank = mesh["dp"].get_local_rank()
+    cfg = train.Config(micro_batch_size=3, max_grad_norm=max_norm, num_minibatches=num_minibatches)
     share = len(samples) // dp
+    per_rank = [samples[r * share:(r + 1) * share] for r in range(dp)]
     model.train()
-    sums = train.train_on_rollouts(model, optimizer, samples[dp_rank * share:(dp_rank + 1) * share], cfg, mesh, 0)
-    ref_norm = reference_step(reference, samples, lr, max_norm, optimizer_name)
+    sums = train.train_on_rollouts(model, optimizer, per_rank[mesh["dp"].get_local_rank()], cfg, mesh, 0)
+    # Mini-batch m of the whole batch is the m-th slice of every rank's share.
+    size = share // num_minibatches
+    minibatches = [sum((part[m * size:(m + 1) * size] for part in per_rank), []) for m in range(num_minibatches)]
+    ref_norm = reference_step(reference, minibatches, lr, max_norm, optimizer_name)
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     expected = reference.state_dict()
@@ -103,6 +114,13 @@ def test_sharded_step_matches_unsharded(dp, tp, family, tied):
 def test_activation_checkpointing_keeps_the_step_exact():
     result = run_ranks(sharded_vs_unsharded, 4, "qwen3", False, 2, 2, "sgd", 1e9, True)[0]
     assert result["logits"] < 1e-5 and result["weights"] < 1e-5
+
+
+def test_two_minibatches_take_two_steps_with_the_ratio_against_the_sampling_policy():
+    result = run_ranks(sharded_vs_unsharded, 4, "qwen3", True, 2, 2, "sgd", 0.05, False, 2)[0]
+    assert result["weights"] < 1e-5
+    sharded_norm, ref_norm = result["norm"]
+    assert sharded_norm == pytest.approx(ref_norm, rel=1e-5)
 
 
 def test_adamw_under_2d_sharding_matches_unsharded():

@@ -1,0 +1,101 @@
+"""The CPU rollout engine: sampled ids kept exactly (stop token included), its logprobs, seeding, weight pushes
+from a sharded policy, and the broadcast of rollouts to the other ranks of a tp group."""
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoModelForCausalLM
+
+import train
+from test_parallel import VOCAB, tiny_config
+from workers import run_ranks
+
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+STOP = [3, 4, 20, 21, 22, 23, 24, 25]  # many stop ids, so that random models stop within a few tokens
+
+
+def tiny_engine(seed=0):
+    config = tiny_config("qwen2", False)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    engine = train.HFEngine(config, torch.device("cpu"), pad_id=0)
+    engine.update_weights(model.named_parameters())
+    return engine, model
+
+
+def test_samples_end_at_the_first_stop_token_or_the_length_limit():
+    engine, _ = tiny_engine()
+    samples = engine.generate(PROMPTS * 20, 1.0, 1.0, 12, STOP, seed=0)
+    assert {s["finish"] for s in samples} == {"stop", "length"}
+    for s in samples:
+        assert all(t not in STOP for t in s["ids"][:-1])
+        if s["finish"] == "stop":
+            assert s["ids"][-1] in STOP and len(s["ids"]) <= 12
+        else:
+            assert len(s["ids"]) == 12 and s["ids"][-1] not in STOP
+        assert len(s["logprobs"]) == len(s["ids"])
+
+
+def test_engine_logprobs_are_those_of_the_tempered_distribution_it_samples():
+    engine, model = tiny_engine()
+    temperature = 0.7
+    samples = engine.generate(PROMPTS, temperature, 1.0, 10, STOP, seed=1)
+    for prompt, s in zip(PROMPTS, samples):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + s["ids"]])).logits[0].double()
+        want = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1:-1]
+        want = want.gather(-1, torch.tensor(s["ids"])[:, None]).squeeze(-1)
+        assert (torch.tensor(s["logprobs"], dtype=torch.float64) - want).abs().max() < 1e-5
+
+
+def test_same_seed_same_samples_and_the_global_rng_is_untouched():
+    engine, _ = tiny_engine()
+    state = torch.random.get_rng_state()
+    a = engine.generate(PROMPTS, 1.0, 1.0, 8, STOP, seed=7)
+    b = engine.generate(PROMPTS, 1.0, 1.0, 8, STOP, seed=7)
+    c = engine.generate(PROMPTS, 1.0, 1.0, 8, STOP, seed=8)
+    assert [s["ids"] for s in a] == [s["ids"] for s in b] != [s["ids"] for s in c]
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_greedy_decoding_at_temperature_zero():
+    engine, model = tiny_engine()
+    [s] = engine.generate(PROMPTS[:1], 0.0, 1.0, 6, [], seed=0)
+    ids = list(PROMPTS[0])
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(model(torch.tensor([ids])).logits[0, -1].argmax().item())
+    assert s["ids"] == ids[len(PROMPTS[0]):] and s["finish"] == "length"
+
+
+def push_then_generate(rank, world, dp, tp):
+    """A sharded policy pushes its weights; the tp group's first rank generates and the group receives."""
+    config = tiny_config("qwen3", False)
+    torch.manual_seed(3)
+    state = AutoModelForCausalLM.from_config(config).state_dict()
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = train.build_model(config, mesh, torch.device("cpu"), state if rank == 0 else {})
+    engine = train.HFEngine(config, torch.device("cpu"), pad_id=0) if mesh["tp"].get_local_rank() == 0 else None
+    if engine is not None:  # start from other weights, so a push that does nothing cannot pass
+        engine.update_weights((n, torch.zeros_like(p)) for n, p in engine.params.items())
+    train.push_weights(model, engine)
+    cfg = train.Config(group_size=3, max_new_tokens=8, temperature=1.0)
+    rows = [{"prompt": "ab"}, {"prompt": "cde"}]
+    tokenizer = train.char_tokenizer()
+    samples = train.generate_rollouts(engine, tokenizer, rows, cfg, seed=5, tp_group=mesh["tp"].get_group())
+    with torch.no_grad():
+        trainer_logp, _ = train.response_logprobs(model, samples, cfg, tokenizer.pad_token_id)
+    engine_logp = torch.tensor([lp for s in samples for lp in s["logprobs"]])
+    weights_equal = engine is None or all(torch.equal(engine.params[k], state[k]) for k in engine.params)
+    return {"ids": [(s["prompt_ids"], s["ids"]) for s in samples], "weights_equal": weights_equal,
+            "mismatch": (trainer_logp - engine_logp).abs().max().item()}
+
+
+def test_pushed_weights_reach_the_engine_and_rollouts_reach_every_tp_rank():
+    tokenizer = train.char_tokenizer()
+    results = run_ranks(push_then_generate, 2, 1, 2)
+    assert all(r["weights_equal"] for r in results)
+    assert results[0]["ids"] == results[1]["ids"]  # rank 1 received rank 0's samples
+    prompts = [p for p, _ in results[0]["ids"]]
+    ab, cde = (tokenizer("ab").input_ids, tokenizer("cde").input_ids)
+    assert prompts == [ab] * 3 + [cde] * 3  # G samples per prompt, grouped by prompt
+    # The engine's logprobs equal the trainer's on the sampled tokens: the push was complete and exact.
+    assert max(r["mismatch"] for r in results) < 1e-5
