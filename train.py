@@ -18,12 +18,13 @@ tokens of the batch (DAPO) unless --loss_agg sequence; the clip range may be asy
 DAPO); the KL term (k3) is off by default (--beta 0); the logprobs are those of logits / temperature,
 the distribution the engine samples from.
 """
-import argparse
+import importlib.util
 import json
 import math
 import os
 import random
 import string
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -53,7 +54,11 @@ class Config:
     test_size: int = 500  # countdown / toy: held-out problems, disjoint from training
     preset: str = ""  # "cpu": tiny model, toy task, small batches; flags given explicitly still win
     # rollout
-    engine: str = "hf"  # hf: HF generate on an unsharded copy of the policy (CPU, tests)
+    engine: str = "sglang" if torch.cuda.is_available() else "hf"  # hf: HF generate on an unsharded copy (CPU)
+    mem_fraction: float = 0.5  # sglang: fraction of the GPU's free memory at start for its weights and KV cache
+    engine_port: int = 30000  # sglang: each TP group's engine uses engine_port + its first rank's local rank
+    keep_engine_memory: bool = False  # sglang: keep weights and KV cache resident while training (debugging)
+    bucket_mb: int = 512  # weight push: MB of full bf16 tensors gathered and sent at a time
     prompts_per_step: int = 32  # prompts per optimizer step, over all ranks
     group_size: int = 8  # G: samples per prompt
     max_new_tokens: int = 1024  # response length limit
@@ -66,6 +71,7 @@ class Config:
     scale_std: bool = True  # divide advantages by the group's std (False: Dr. GRPO)
     beta: float = 0.0  # weight of the k3 KL to the initial policy; 0 builds no reference model
     entropy_coef: float = 0.0  # entropy bonus
+    tis_cap: float = 0.0  # > 0: truncated importance sampling, tokens weighted by min(p_old / p_engine, tis_cap)
     logprob_chunk: int = 1024  # response tokens per chunk of fp32 full-vocabulary logits
     # optimisation
     steps: int = 200
@@ -109,7 +115,7 @@ def parse_config(argv=None):
 
 def check_config(cfg, world):
     """Catch bad flags before any model is loaded; each message names the flag to change."""
-    choices = dict(task=("countdown", "gsm8k", "toy"), engine=("hf",), loss_agg=("token", "sequence"),
+    choices = dict(task=("countdown", "gsm8k", "toy"), engine=("sglang", "hf"), loss_agg=("token", "sequence"),
                    lr_schedule=("constant", "cosine"))
     for flag in ("tp", "prompts_per_step", "num_minibatches", "micro_batch_size", "max_new_tokens", "logprob_chunk"):
         if getattr(cfg, flag) < 1:
@@ -128,6 +134,13 @@ def check_config(cfg, world):
                          f"(prompts_per_step / dp * group_size)")
     if cfg.group_size < 2:
         raise SystemExit("--group_size must be at least 2: advantages compare samples of one prompt")
+    if cfg.engine == "sglang" and importlib.util.find_spec("sglang") is None:
+        raise SystemExit("--engine sglang needs SGLang: pip install -r requirements.txt (sglang==0.5.23), "
+                         "or use --engine hf")
+    if cfg.engine == "sglang" and not torch.cuda.is_available():
+        raise SystemExit("--engine sglang needs a CUDA GPU: use --engine hf on this machine")
+    if cfg.engine == "sglang" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) % cfg.tp:
+        raise SystemExit(f"--tp {cfg.tp} must divide the GPUs per node: an engine's TP group lives on one node")
 
 
 # ----------------------------------------------------------------------------- data
@@ -220,7 +233,10 @@ def load_tokenizer(cfg):
     if cfg.model == "tiny":
         return char_tokenizer()
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    if tokenizer.pad_token is None:  # padding is masked out; any id will do
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def encode_prompt(tokenizer, prompt):
@@ -339,23 +355,26 @@ def build_model(model_config, mesh, device, state_dict, activation_checkpointing
 class HFEngine:
     """Rollouts with HF generate on an unsharded copy of the policy, refreshed after every step.
 
-    The engine interface (SGLang implements the same): generate(prompts, ...) -> one dict per sample with
-    "ids" (sampled token ids, stop token included), "finish" ("stop" | "length") and "logprobs" (the engine's
-    log_softmax(logits / temperature) of each sampled token); update_weights(named full tensors); shutdown().
+    The engine interface, which SGLangEngine implements too: generate(prompts, ...) returns one dict per sample
+    with "ids" (the sampled token ids, stop token included), "finish" ("stop" | "length") and "logprobs" (the
+    engine's log_softmax(logits / temperature) of each sampled token); update_weights(buckets) takes lists of
+    (HF name, full tensor in engine.dtype); shutdown().
     """
+    dtype = torch.float32
 
     def __init__(self, model_config, device, pad_id):
         from transformers import AutoModelForCausalLM, GenerationConfig
         with torch.device(device):
-            self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).eval()
+            self.model = AutoModelForCausalLM.from_config(model_config, dtype=self.dtype).eval()
         self.model.generation_config = GenerationConfig()  # no sampling defaults (top_k=50) sneak in
         self.params = dict(self.model.named_parameters())
         self.pad_id = pad_id
 
-    def update_weights(self, named_tensors):
+    def update_weights(self, buckets):
         with torch.no_grad():
-            for name, tensor in named_tensors:
-                self.params[name].copy_(tensor)
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    self.params[name].copy_(tensor)
 
     @torch.no_grad()
     def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):
@@ -384,12 +403,108 @@ class HFEngine:
         del self.model, self.params
 
 
-def push_weights(model, engine):
-    """Every rank joins each all-gather; the engine's owner loads the full tensors (HF names)."""
+class SGLangEngine:
+    """Rollouts from an in-process SGLang engine: one per TP group of the trainer, on the same GPUs, created by
+    the group's first rank. Weights arrive as flattened bf16 buckets through CUDA IPC, never through disk."""
+    dtype = torch.bfloat16
+
+    def __init__(self, cfg, model_config, tp, base_gpu_id):
+        import sglang
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID, as the engine's side expects
+        # Under torchrun the engine's schedulers would join torchrun's store as clients and hang at start.
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        config_dir = tempfile.mkdtemp(prefix="grpo-engine-")  # the engine reads the architecture from disk
+        model_config.save_pretrained(config_dir)
+        self.engine = sglang.Engine(
+            model_path=config_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", tp_size=tp,
+            dp_size=1, base_gpu_id=base_gpu_id, nccl_port=cfg.engine_port + base_gpu_id, random_seed=cfg.seed,
+            enable_memory_saver=True, mem_fraction_static=cfg.mem_fraction, log_level="error")
+        self.tp, self.released = tp, set()
+
+    def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):
+        # SGLang samples from its schedulers' RNG, seeded once with --seed; `seed` only steers the hf engine.
+        params = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+        outputs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        # finish comes from the last token: versions disagree on "length" vs "stop" for a stop token at the limit.
+        return [{"ids": o["output_ids"], "finish": "stop" if o["output_ids"][-1:] in ([t] for t in stop_ids)
+                 else "length", "logprobs": [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]}
+                for o in outputs]
+
+    def release_memory(self):
+        """Free the engine's weights and KV cache for the training phase."""
+        self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
+        self.released = {"kv_cache", "weights"}
+
+    def resume(self, tag):
+        if tag in self.released:  # resuming a tag that was not released crashes the engine
+            self.engine.resume_memory_occupation(tags=[tag])
+            self.released.discard(tag)
+
+    def update_weights(self, buckets):
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+        self.resume("weights")  # released weights are freed, not kept: all of them are pushed again
+        session = hasattr(self.engine, "begin_weight_update")  # sglang >= 0.5.21 pushes inside a session
+        if session:
+            check(self.engine.begin_weight_update())
+        for bucket in buckets:
+            flat = FlattenedTensorBucket(named_tensors=bucket)
+            payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+            # One serialization per engine TP rank: each rank opens (and releases) its own IPC handles.
+            per_rank = [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(self.tp)]
+            check(self.engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket",
+                                                         flush_cache=False))
+        if session:
+            check(self.engine.end_weight_update())
+        self.engine.flush_cache()  # cached prefixes were computed with the old weights
+        self.resume("kv_cache")
+        torch.cuda.ipc_collect()
+
+    def shutdown(self):
+        self.engine.shutdown()
+
+
+def check(result):
+    """SGLang reports a failed weight update as (False, message) rather than raising."""
+    ok, message = result
+    if not ok:
+        raise RuntimeError(f"SGLang weight update failed: {message}")
+
+
+def create_engine(cfg, model_config, mesh, device, pad_id):
+    """The engine of this rank's TP group, owned by the group's first rank; None on the other ranks."""
+    if mesh["tp"].get_local_rank() != 0:
+        return None
+    if cfg.engine == "hf":
+        return HFEngine(model_config, device, pad_id)
+    return SGLangEngine(cfg, model_config, cfg.tp, base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def weight_buckets(model, bucket_bytes, dtype):
+    """Full tensors with HF names, in buckets of about bucket_bytes: one parameter is gathered at a time, so
+    extra memory stays near one bucket plus one full fp32 tensor. Every rank must run this to the end (each
+    full_tensor() is a collective), and all see the same names in the same order."""
+    bucket, size = [], 0
     for name, param in model.named_parameters():
-        full = param.full_tensor() if isinstance(param, DTensor) else param
-        if engine is not None:
-            engine.update_weights([(name, full.detach())])
+        full = (param.full_tensor() if isinstance(param, DTensor) else param).detach().to(dtype)
+        bucket.append((name, full))
+        size += full.numel() * full.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def push_weights(model, engine, bucket_mb):
+    """The new weights into the engine; ranks without an engine still join every gather."""
+    buckets = weight_buckets(model, bucket_mb << 20, engine.dtype if engine else torch.float32)
+    if engine is None:
+        for _ in buckets:
+            pass
+    else:
+        engine.update_weights(buckets)
 
 
 def generate_rollouts(engine, tokenizer, rows, cfg, seed, tp_group):
@@ -474,15 +589,18 @@ def response_logprobs(model, samples, cfg, pad_id):
 
 # ----------------------------------------------------------------------------- loss
 def policy_loss(logp, old_logp, advantages, weights, clip_low, clip_high,
-                beta=0.0, ref_logp=None, entropy_coef=0.0, entropy=None):
+                beta=0.0, ref_logp=None, entropy_coef=0.0, entropy=None, is_weights=None):
     """Clipped surrogate per response token, summed with `weights` (which carry the aggregation).
 
-    All inputs are flat over response tokens [N]. Returns the loss and metric sums over the tokens.
+    All inputs are flat over response tokens [N]; `is_weights` (truncated importance sampling) scale the
+    policy-gradient term. Returns the loss and metric sums over the tokens.
     """
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights
     metrics = {"clip_frac": (clipped < unclipped).sum().item(), "kl": 0.0}
     if beta > 0:
         delta = ref_logp - logp
@@ -492,6 +610,15 @@ def policy_loss(logp, old_logp, advantages, weights, clip_low, clip_high,
     if entropy_coef > 0:
         per_token = per_token - entropy_coef * entropy
     return (per_token * weights).sum(), metrics
+
+
+def engine_mismatch(trainer_logp, engine_logp, tis_cap):
+    """How far the engine's sampling distribution is from the trainer's on the sampled tokens: a stale or wrong
+    weight push shows up here at once. Returns truncated importance weights min(p_trainer / p_engine, tis_cap)
+    (None when tis_cap is 0) and sums of |log ratio| and of the k3 estimate of KL(engine || trainer)."""
+    log_ratio = trainer_logp - engine_logp
+    sums = {"mismatch_abs": log_ratio.abs().sum().item(), "mismatch_kl": (log_ratio.exp() - 1 - log_ratio).sum().item()}
+    return (log_ratio.exp().clamp(max=tis_cap) if tis_cap > 0 else None), sums
 
 
 def token_weights(samples, loss_agg, dp_group, device):
@@ -578,21 +705,17 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id, ref_model=No
                 for s, lp in zip(batch, logp.detach().split([len(s["ids"]) for s in batch])):
                     s["old_logp"] = lp
             old_logp = flat(batch, "old_logp")
+            is_weights, mismatch = engine_mismatch(old_logp, flat(batch, "logprobs").to(device), cfg.tis_cap)
             loss, metrics = policy_loss(
                 logp, old_logp, flat(batch, "advantage").to(device), weights[offset:offset + len(logp)],
                 cfg.clip_low, cfg.clip_high, cfg.beta, flat(batch, "ref_logp") if cfg.beta > 0 else None,
-                cfg.entropy_coef, entropy)
+                cfg.entropy_coef, entropy, is_weights)
             loss.backward()
             offset += len(logp)
-            for key, value in metrics.items():
+            for key, value in {**metrics, **mismatch}.items():
                 sums[key] += value
             sums["entropy"] += entropy.detach().sum().item()
             sums["tokens"] += len(logp)
-            # How far the engine's sampling distribution is from the trainer's on the sampled tokens: a stale
-            # or wrong weight push shows up here at once. k3 estimate of KL(engine || trainer).
-            log_ratio = old_logp - flat(batch, "logprobs").to(device)
-            sums["mismatch_abs"] += log_ratio.abs().sum().item()
-            sums["mismatch_kl"] += (log_ratio.exp() - 1 - log_ratio).sum().item()
         if mesh["tp"].size() > 1:
             reduce_qk_norm_grads(model, mesh["tp"].get_group())
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
@@ -669,12 +792,9 @@ def main():
     cfg = parse_config()
     rank, world, device, mesh = init_distributed(cfg.tp)
     check_config(cfg, world)
-    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    print0 = print if rank == 0 else (lambda *a, **k: None)
-    print0(json.dumps(asdict(cfg), indent=1))
-
+    if rank == 0:
+        print(json.dumps(asdict(cfg), indent=1))
     tokenizer = load_tokenizer(cfg)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_set = PromptDataset(cfg, "train")
     from transformers import AutoConfig
     model_config = tiny_model_config(len(tokenizer)) if cfg.model == "tiny" else AutoConfig.from_pretrained(cfg.model)
@@ -691,8 +811,20 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
-    engine = HFEngine(model_config, device, pad_id) if mesh["tp"].get_local_rank() == 0 else None
-    push_weights(model, engine)
+    engine = create_engine(cfg, model_config, mesh, device, tokenizer.pad_token_id)
+    try:
+        train_loop(cfg, model, ref_model, optimizer, scheduler, engine, tokenizer, train_set, mesh, device)
+    finally:  # no orphaned engine processes, whatever ended the run
+        if engine is not None:
+            engine.shutdown()
+    dist.barrier()  # gloo aborts a rank whose peer tears down first
+    dist.destroy_process_group()
+
+
+def train_loop(cfg, model, ref_model, optimizer, scheduler, engine, tokenizer, train_set, mesh, device):
+    rank, dp_rank, dp = dist.get_rank(), mesh["dp"].get_local_rank(), mesh["dp"].size()
+    pad_id = tokenizer.pad_token_id
+    push_weights(model, engine, cfg.bucket_mb)
     wandb_run = None
     if rank == 0:
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -709,6 +841,8 @@ def main():
         rows = step_rows(train_set, step, cfg, dp_rank, dp)
         seed = (cfg.seed * 1_000_003 + step) * dp + dp_rank
         samples = generate_rollouts(engine, tokenizer, rows, cfg, seed, mesh["tp"].get_group())
+        if engine is not None and cfg.engine == "sglang" and not cfg.keep_engine_memory:
+            engine.release_memory()  # the training phase gets the engine's weights and KV cache memory
         times["time_generate"] = time.perf_counter() - start
         # --- reward
         timer = time.perf_counter()
@@ -726,7 +860,7 @@ def main():
         times["time_train"] = time.perf_counter() - timer - times["time_logprobs"]
         # --- push the new weights into the engine
         timer = time.perf_counter()
-        push_weights(model, engine)
+        push_weights(model, engine, cfg.bucket_mb)
         times["time_push"] = time.perf_counter() - timer
         # --- log
         sums.update(rollout_sums(samples, rewards))
@@ -735,13 +869,8 @@ def main():
         metrics = step_metrics(sums, maxes, scheduler.get_last_lr()[0], time.perf_counter() - start)
         if rank == 0:
             log_step(step, metrics, cfg, wandb_run)
-
-    if engine is not None:
-        engine.shutdown()
     if wandb_run is not None:
         wandb_run.finish()
-    dist.barrier()  # gloo aborts a rank whose peer tears down first
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import string
 from fractions import Fraction
 
 import pytest
+import torch
 
 import reward
 import train
@@ -326,11 +327,12 @@ def test_explicit_flag_wins_over_preset_in_either_order():
     assert train.parse_config(["--preset", "cpu", "--lr", "0.5"]).steps == 30
 
 
-def test_no_flags_give_config_defaults():
-    assert train.parse_config([]) == train.Config()
+def test_no_flags_give_config_defaults_with_the_engine_chosen_by_the_machine():
+    cfg = train.parse_config([])
+    assert cfg == train.Config() and cfg.engine == ("sglang" if torch.cuda.is_available() else "hf")
 
 
-def test_unknown_flag_raises_value_error_naming_it():
+def test_unknown_flag_exits_naming_it():
     with pytest.raises(SystemExit, match="--lr_typo"):
         train.parse_config(["--lr_typo", "3"])
 

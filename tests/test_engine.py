@@ -17,7 +17,7 @@ def tiny_engine(seed=0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     engine = train.HFEngine(config, torch.device("cpu"), pad_id=0)
-    engine.update_weights(model.named_parameters())
+    engine.update_weights([list(model.named_parameters())])
     return engine, model
 
 
@@ -75,8 +75,8 @@ def push_then_generate(rank, world, dp, tp):
     model = train.build_model(config, mesh, torch.device("cpu"), state if rank == 0 else {})
     engine = train.HFEngine(config, torch.device("cpu"), pad_id=0) if mesh["tp"].get_local_rank() == 0 else None
     if engine is not None:  # start from other weights, so a push that does nothing cannot pass
-        engine.update_weights((n, torch.zeros_like(p)) for n, p in engine.params.items())
-    train.push_weights(model, engine)
+        engine.update_weights([[(n, torch.zeros_like(p)) for n, p in engine.params.items()]])
+    train.push_weights(model, engine, bucket_mb=1)
     cfg = train.Config(group_size=3, max_new_tokens=8, temperature=1.0)
     rows = [{"prompt": "ab"}, {"prompt": "cde"}]
     tokenizer = train.char_tokenizer()
