@@ -1,38 +1,42 @@
 """GRPO for Qwen models (Qwen2, Qwen2.5, Qwen3) in one file.
 
-One step: sample G completions per prompt from the rollout engine, score them with reward.reward_fn,
-normalise rewards within each group into advantages, and take clipped policy-gradient steps on the
-policy, sharded with FSDP2 over "dp" and DTensor tensor parallelism over "tp". The new weights are
-then pushed into the engine, so every rollout comes from the current policy.
+One step: sample G completions per prompt from the rollout engine, score them with reward.reward_fn, normalise
+rewards within each group into advantages, take clipped policy-gradient steps on the policy (FSDP2 over "dp",
+DTensor tensor parallelism over "tp"), and push the new weights into the engine.
 
 Launch:
-    torchrun --nproc_per_node=2 train.py --preset cpu          # CPU demo: tiny random model, toy task, ~1 min
-    torchrun --nproc_per_node=8 train.py --tp 2                 # GPU: Countdown with Qwen2.5-3B-Instruct
-    torchrun --nproc_per_node=8 train.py --task gsm8k --model Qwen/Qwen2.5-1.5B-Instruct
+    torchrun --standalone --nproc_per_node=2 train.py --preset cpu   # CPU demo: tiny random model, toy task
+    torchrun --nproc_per_node=8 train.py --tp 2                       # GPU: Countdown, Qwen2.5-3B-Instruct
 
 Edit two places: `PromptDataset.__getitem__` below (what a prompt is and what the reward needs) and
 `reward_fn` in reward.py (how a completion is scored). Every flag is a field of `Config`.
 
-Where this departs from the GRPO paper (DeepSeekMath): the loss is a token-level mean over all response
-tokens of the batch (DAPO) unless --loss_agg sequence; the clip range may be asymmetric (clip-higher,
-DAPO); the KL term (k3) is off by default (--beta 0); the logprobs are those of logits / temperature,
-the distribution the engine samples from.
+Departures from the GRPO paper (DeepSeekMath): the loss is a token-level mean over all response tokens of the
+batch (DAPO) unless --loss_agg sequence; the clip range may be asymmetric (clip-higher, DAPO); the KL term (k3) is
+off by default (--beta 0); logprobs are those of logits / temperature, the distribution the engine samples from.
 """
 import importlib.util
 import json
 import math
+import multiprocessing
 import os
 import random
+import shutil
+import signal
 import string
 import tempfile
+import threading
 import time
+import traceback
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -85,17 +89,27 @@ class Config:
     # parallelism and memory
     tp: int = 1  # tensor-parallel size; dp = world size / tp
     activation_checkpointing: bool = False
+    # evaluation, checkpoints, rewards
+    eval_every: int = 50  # evaluate on the held-out split every N steps and at the end; 0: never
+    eval_prompts: int = 256  # held-out prompts per evaluation
+    eval_k: int = 4  # samples per prompt for mean@k and pass@k
+    eval_temperature: float = 1.0
+    save_every: int = 50  # checkpoint every N steps; always at the end and when stopped by a signal
+    keep_checkpoints: int = 2  # the newest K complete checkpoints are kept
+    resume: str = ""  # a checkpoint folder, or "auto": the newest complete one under out_dir (if any)
+    reward_workers: int = 4  # processes computing rewards in parallel
+    reward_timeout: float = 5.0  # seconds before a reward_fn call is cut off; it scores 0
     # logging
     seed: int = 0
-    out_dir: str = "runs/grpo"  # metrics.jsonl and config.json go here
-    wandb_project: str = ""  # log to wandb when set
-    wandb_offline: bool = False
+    out_dir: str = "runs/grpo"  # config.json, metrics.jsonl, checkpoints/ (layout in README)
+    wandb_project: str = ""  # log to wandb too when set (WANDB_MODE=offline needs no network)
 
 
 PRESETS = {
     "cpu": dict(model="tiny", task="toy", engine="hf", steps=30, prompts_per_step=8, group_size=8,
                 max_new_tokens=16, temperature=1.0, lr=1e-2, warmup_steps=0, micro_batch_size=32,
-                train_size=1000, test_size=100, out_dir="runs/cpu"),
+                train_size=1000, test_size=100, out_dir="runs/cpu", eval_every=10, eval_prompts=16,
+                save_every=0, reward_workers=2),
 }
 
 
@@ -123,24 +137,24 @@ def check_config(cfg, world):
     for flag, allowed in choices.items():
         if getattr(cfg, flag) not in allowed:
             raise SystemExit(f"--{flag} {getattr(cfg, flag)!r}: choose one of {allowed}")
-    if world % cfg.tp:
-        raise SystemExit(f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}")
     dp = world // cfg.tp
-    if cfg.prompts_per_step % dp:
-        raise SystemExit(f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp} (world / tp)")
-    samples = cfg.prompts_per_step // dp * cfg.group_size
-    if samples % cfg.num_minibatches:
-        raise SystemExit(f"--num_minibatches {cfg.num_minibatches} must divide the {samples} samples per rank "
-                         f"(prompts_per_step / dp * group_size)")
-    if cfg.group_size < 2:
-        raise SystemExit("--group_size must be at least 2: advantages compare samples of one prompt")
-    if cfg.engine == "sglang" and importlib.util.find_spec("sglang") is None:
-        raise SystemExit("--engine sglang needs SGLang: pip install -r requirements.txt (sglang==0.5.23), "
-                         "or use --engine hf")
-    if cfg.engine == "sglang" and not torch.cuda.is_available():
-        raise SystemExit("--engine sglang needs a CUDA GPU: use --engine hf on this machine")
-    if cfg.engine == "sglang" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) % cfg.tp:
-        raise SystemExit(f"--tp {cfg.tp} must divide the GPUs per node: an engine's TP group lives on one node")
+    samples = cfg.prompts_per_step // max(dp, 1) * cfg.group_size
+    sglang = cfg.engine == "sglang"
+    problems = [
+        (world % cfg.tp, f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}"),
+        (cfg.prompts_per_step % max(dp, 1), f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp}"),
+        (samples % cfg.num_minibatches, f"--num_minibatches {cfg.num_minibatches} must divide the {samples} "
+                                        "samples per rank (prompts_per_step / dp * group_size)"),
+        (cfg.group_size < 2, "--group_size must be at least 2: advantages compare samples of one prompt"),
+        (sglang and importlib.util.find_spec("sglang") is None,
+         "--engine sglang needs SGLang: pip install -r requirements.txt (sglang==0.5.23), or use --engine hf"),
+        (sglang and not torch.cuda.is_available(), "--engine sglang needs a CUDA GPU: use --engine hf here"),
+        (sglang and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) % cfg.tp,
+         f"--tp {cfg.tp} must divide the GPUs per node: an engine's TP group lives on one node"),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise SystemExit(message)
 
 
 # ----------------------------------------------------------------------------- data
@@ -166,8 +180,7 @@ def countdown_problems(n, seed):
         order = rng.sample(nums, len(nums))
         value = Fraction(order[0])
         for x in order[1:]:
-            op = rng.choice("+-*/")
-            value = {"+": value + x, "-": value - x, "*": value * x, "/": value / x}[op]
+            value = {"+": value + x, "-": value - x, "*": value * x, "/": value / x}[rng.choice("+-*/")]
         if value.denominator == 1 and 0 < value <= 1000:
             problems[(tuple(sorted(nums)), int(value))] = nums
     return [{"nums": nums, "target": target} for (_, target), nums in problems.items()]
@@ -180,8 +193,7 @@ def load_rows(cfg, split):
         problems = countdown_problems(cfg.test_size + cfg.train_size, cfg.seed)
         return problems[:cfg.test_size] if split == "test" else problems[cfg.test_size:]
     if cfg.task == "toy":
-        n = cfg.test_size if split == "test" else cfg.train_size
-        return [{"target": "a"} for _ in range(n)]
+        return [{"target": "a"}] * (cfg.test_size if split == "test" else cfg.train_size)
     import datasets
     if not os.path.isfile(cfg.data_path):
         return list(datasets.load_dataset(cfg.data_path, "main", split=split))
@@ -196,8 +208,17 @@ class PromptDataset(torch.utils.data.Dataset):
     """Prompts of one task. Edit __getitem__ to change what a prompt says or to add a task."""
 
     def __init__(self, cfg, split):
-        self.task = cfg.task
-        self.rows = load_rows(cfg, split)
+        self.task, self.rows = cfg.task, load_rows(cfg, split)
+        if len(self.rows) < (cfg.prompts_per_step if split == "train" else 1):
+            raise SystemExit(f"the {split} split has {len(self.rows)} rows, fewer than a step's "
+                             f"--prompts_per_step {cfg.prompts_per_step}: check --task, --data_path, --train_size")
+        try:  # catch items that lack what the prompt or the reward reads, before any model is loaded
+            item = self[0]
+            _ = item["prompt"]
+            reward.reward_fn("", item)
+        except KeyError as missing:
+            raise SystemExit(f"{split} items lack the field {missing} that the prompt or reward_fn reads: "
+                             "return it from PromptDataset.__getitem__ in train.py")
 
     def __len__(self):
         return len(self.rows)
@@ -259,11 +280,7 @@ def stop_token_ids(tokenizer):
 
 def step_rows(dataset, step, cfg, dp_rank, dp):
     """This rank's prompts for a step: a fresh seeded permutation every epoch, so the order follows from the step."""
-    steps_per_epoch = len(dataset) // cfg.prompts_per_step
-    if steps_per_epoch == 0:
-        raise SystemExit(f"the training split has {len(dataset)} prompts, fewer than --prompts_per_step "
-                         f"{cfg.prompts_per_step}")
-    epoch, i = divmod(step, steps_per_epoch)
+    epoch, i = divmod(step, len(dataset) // cfg.prompts_per_step)
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
     order = torch.randperm(len(dataset), generator=generator).tolist()
     per_rank = cfg.prompts_per_step // dp
@@ -272,22 +289,16 @@ def step_rows(dataset, step, cfg, dp_rank, dp):
 
 
 # ----------------------------------------------------------------------------- model and mesh
-def init_distributed(tp):
-    """Rank, world, device and the ("dp", "tp") mesh; `python train.py` runs as a world of one."""
+def init_distributed(cfg):
+    """Rank, device and the ("dp", "tp") mesh, once the flags are checked; `python train.py` is a world of one."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    if world % tp:
-        raise SystemExit(f"--tp {tp} does not divide the world size {world}: use a divisor of {world}")
-    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-    return rank, world, device, mesh
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world, device_id=device if cuda else None)
+    check_config(cfg, world)
+    return rank, device, init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
 
 
 def tiny_model_config(vocab_size):
@@ -295,12 +306,6 @@ def tiny_model_config(vocab_size):
     return Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                        tie_word_embeddings=True)
-
-
-def check_model_config(model_config, tp):
-    for field in ("num_attention_heads", "num_key_value_heads"):
-        if getattr(model_config, field) % tp:
-            raise SystemExit(f"--tp {tp} must divide the model's {field} ({getattr(model_config, field)})")
 
 
 # Per decoder layer: q/k/v and gate/up split their output features over tp, o and down their input features,
@@ -353,13 +358,10 @@ def build_model(model_config, mesh, device, state_dict, activation_checkpointing
 
 # ----------------------------------------------------------------------------- engine
 class HFEngine:
-    """Rollouts with HF generate on an unsharded copy of the policy, refreshed after every step.
-
-    The engine interface, which SGLangEngine implements too: generate(prompts, ...) returns one dict per sample
-    with "ids" (the sampled token ids, stop token included), "finish" ("stop" | "length") and "logprobs" (the
-    engine's log_softmax(logits / temperature) of each sampled token); update_weights(buckets) takes lists of
-    (HF name, full tensor in engine.dtype); shutdown().
-    """
+    """Rollouts with HF generate on an unsharded copy of the policy, refreshed after every step. The interface
+    SGLangEngine shares: generate() returns per sample "ids" (sampled ids, stop token included), "finish" ("stop"
+    | "length") and the engine's "logprobs" (log_softmax(logits / T) of each sampled token); update_weights()
+    takes buckets of (HF name, full tensor in engine.dtype); shutdown()."""
     dtype = torch.float32
 
     def __init__(self, model_config, device, pad_id):
@@ -370,11 +372,10 @@ class HFEngine:
         self.params = dict(self.model.named_parameters())
         self.pad_id = pad_id
 
+    @torch.no_grad()
     def update_weights(self, buckets):
-        with torch.no_grad():
-            for bucket in buckets:
-                for name, tensor in bucket:
-                    self.params[name].copy_(tensor)
+        for name, tensor in (named for bucket in buckets for named in bucket):
+            self.params[name].copy_(tensor)
 
     @torch.no_grad()
     def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):
@@ -388,15 +389,12 @@ class HFEngine:
                 input_ids=ids, attention_mask=mask, do_sample=temperature > 0, temperature=temperature or None,
                 top_p=top_p, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
                 pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True)
-        new = out.sequences[:, width:].tolist()
-        logits = torch.stack(out.logits, 1).float()  # [N, T, V]
-        logprobs = torch.log_softmax(logits / (temperature or 1.0), -1)
+        logprobs = torch.log_softmax(torch.stack(out.logits, 1).float() / (temperature or 1.0), -1)  # [N, T, V]
         samples = []
-        for i, seq in enumerate(new):
-            end = next((t + 1 for t, tok in enumerate(seq) if tok in stop_ids), None)
-            seq = seq[:end]
-            lp = logprobs[i, torch.arange(len(seq)), torch.tensor(seq, dtype=torch.long)].tolist()
-            samples.append({"ids": seq, "finish": "length" if end is None else "stop", "logprobs": lp})
+        for seq, lp in zip(out.sequences[:, width:].tolist(), logprobs):
+            end = next((t + 1 for t, tok in enumerate(seq) if tok in stop_ids), len(seq))  # generate pads after
+            samples.append({"ids": seq[:end], "finish": "stop" if seq[end - 1] in stop_ids else "length",
+                            "logprobs": lp[torch.arange(end), seq[:end]].tolist()})
         return samples
 
     def shutdown(self):
@@ -420,7 +418,7 @@ class SGLangEngine:
             model_path=config_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", tp_size=tp,
             dp_size=1, base_gpu_id=base_gpu_id, nccl_port=cfg.engine_port + base_gpu_id, random_seed=cfg.seed,
             enable_memory_saver=True, mem_fraction_static=cfg.mem_fraction, log_level="error")
-        self.tp, self.released = tp, set()
+        self.tp, self.released = tp, False
 
     def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):
         # SGLang samples from its schedulers' RNG, seeded once with --seed; `seed` only steers the hf engine.
@@ -434,17 +432,13 @@ class SGLangEngine:
     def release_memory(self):
         """Free the engine's weights and KV cache for the training phase."""
         self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
-        self.released = {"kv_cache", "weights"}
-
-    def resume(self, tag):
-        if tag in self.released:  # resuming a tag that was not released crashes the engine
-            self.engine.resume_memory_occupation(tags=[tag])
-            self.released.discard(tag)
+        self.released = True
 
     def update_weights(self, buckets):
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-        self.resume("weights")  # released weights are freed, not kept: all of them are pushed again
+        if self.released:  # resuming what was not released crashes the engine
+            self.engine.resume_memory_occupation(tags=["weights"])  # freed, not kept: every weight is pushed
         session = hasattr(self.engine, "begin_weight_update")  # sglang >= 0.5.21 pushes inside a session
         if session:
             check(self.engine.begin_weight_update())
@@ -458,7 +452,9 @@ class SGLangEngine:
         if session:
             check(self.engine.end_weight_update())
         self.engine.flush_cache()  # cached prefixes were computed with the old weights
-        self.resume("kv_cache")
+        if self.released:
+            self.engine.resume_memory_occupation(tags=["kv_cache"])
+            self.released = False
         torch.cuda.ipc_collect()
 
     def shutdown(self):
@@ -507,13 +503,14 @@ def push_weights(model, engine, bucket_mb):
         engine.update_weights(buckets)
 
 
-def generate_rollouts(engine, tokenizer, rows, cfg, seed, tp_group):
-    """G samples per prompt, grouped by prompt. The tp group's first rank generates; the others receive."""
+def generate_rollouts(engine, tokenizer, rows, cfg, seed, tp_group, n=None, temperature=None):
+    """n (default G) samples per prompt, grouped by prompt: the tp group's first rank generates, the rest receive."""
     prompts = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
-    repeated = [p for p in prompts for _ in range(cfg.group_size)]
+    repeated = [p for p in prompts for _ in range(n or cfg.group_size)]
+    temperature = cfg.temperature if temperature is None else temperature
     samples = [None]
     if engine is not None:
-        samples = [engine.generate(repeated, cfg.temperature, cfg.top_p, cfg.max_new_tokens,
+        samples = [engine.generate(repeated, temperature, cfg.top_p, cfg.max_new_tokens,
                                    stop_token_ids(tokenizer), seed)]
     if dist.get_world_size(tp_group) > 1:
         dist.broadcast_object_list(samples, src=dist.get_global_rank(tp_group, 0), group=tp_group)
@@ -523,13 +520,36 @@ def generate_rollouts(engine, tokenizer, rows, cfg, seed, tp_group):
 
 
 # ----------------------------------------------------------------------------- reward and advantages
-def score(samples, rows, tokenizer, group_size):
-    """reward.reward_fn on each decoded completion, with the row its prompt came from."""
-    rewards = []
-    for i, sample in enumerate(samples):
-        completion = tokenizer.decode(sample["ids"], skip_special_tokens=True)
-        rewards.append(float(reward.reward_fn(completion, rows[i // group_size])))
-    return torch.tensor(rewards)
+def raise_timeout(signum, frame):
+    raise TimeoutError("reward_fn ran past --reward_timeout")
+
+
+def reward_or_error(completion, sample, timeout):
+    """In a reward worker: (score, None), or (0.0, traceback) when reward_fn raises or runs past `timeout`."""
+    signal.signal(signal.SIGALRM, raise_timeout)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        return float(reward.reward_fn(completion, sample)), None
+    except Exception:
+        return 0.0, traceback.format_exc()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def score(pool, samples, rows, tokenizer, timeout):
+    """Rewards [N] of the decoded completions, each scored with the row of its prompt, and the tracebacks of
+    failed calls (they score 0). A call stuck in C code, where SIGALRM cannot reach, is given up after
+    timeout + 5 s and scores 0; its worker stays busy until it returns."""
+    per_prompt = len(samples) // len(rows)
+    jobs = [pool.apply_async(reward_or_error, (tokenizer.decode(s["ids"], skip_special_tokens=True),
+                                               rows[i // per_prompt], timeout)) for i, s in enumerate(samples)]
+    results = []
+    for job in jobs:
+        try:
+            results.append(job.get(timeout=timeout + 5))
+        except multiprocessing.TimeoutError:
+            results.append((0.0, "reward_fn did not return within --reward_timeout + 5 s"))
+    return torch.tensor([r for r, _ in results]), [error for _, error in results if error]
 
 
 def group_advantages(rewards, group_size, scale_std=True, eps=1e-6):
@@ -565,11 +585,9 @@ def pad_batch(samples, pad_id, device):
 
 
 def response_logprobs(model, samples, cfg, pad_id):
-    """Log-probs and entropies of the response tokens, flat over the samples [N_tokens].
-
-    The backbone's final hidden states go through lm_head in chunks of cfg.logprob_chunk tokens, each
-    recomputed in backward, so at most one chunk of full-vocabulary fp32 logits is alive at a time.
-    """
+    """Log-probs and entropies of the response tokens, flat over the samples [N_tokens]. The final hidden states
+    go through lm_head in chunks of cfg.logprob_chunk tokens, each recomputed in backward, so at most one chunk
+    of full-vocabulary fp32 logits is alive at a time."""
     ids, mask, response = pad_batch(samples, pad_id, model.device)
     no_logits = torch.zeros(0, dtype=torch.long, device=ids.device)
     out = model(input_ids=ids, attention_mask=mask, logits_to_keep=no_logits, output_hidden_states=True)
@@ -590,11 +608,9 @@ def response_logprobs(model, samples, cfg, pad_id):
 # ----------------------------------------------------------------------------- loss
 def policy_loss(logp, old_logp, advantages, weights, clip_low, clip_high,
                 beta=0.0, ref_logp=None, entropy_coef=0.0, entropy=None, is_weights=None):
-    """Clipped surrogate per response token, summed with `weights` (which carry the aggregation).
-
-    All inputs are flat over response tokens [N]; `is_weights` (truncated importance sampling) scale the
-    policy-gradient term. Returns the loss and metric sums over the tokens.
-    """
+    """Clipped surrogate per response token, summed with `weights` (which carry the aggregation); inputs are flat
+    over response tokens [N], `is_weights` (truncated importance sampling) scale the policy-gradient term.
+    Returns the loss and metric sums over the tokens."""
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
@@ -625,25 +641,15 @@ def token_weights(samples, loss_agg, dp_group, device):
     """Per-token loss weights of one mini-batch, flat [N]. FSDP averages gradients over dp, so the weights are
     scaled by dp and normalised by global counts: micro-batches then sum to exactly the full-batch gradient."""
     lengths = torch.tensor([len(s["ids"]) for s in samples], dtype=torch.float64, device=device)
-    counts = torch.stack([lengths.sum(), torch.tensor(float(len(samples)), dtype=torch.float64, device=device)])
-    dist.all_reduce(counts, group=dp_group)
+    counts = torch.tensor([lengths.sum().item(), len(samples)], dtype=torch.float64, device=device)
+    dist.all_reduce(counts, group=dp_group)  # response tokens and sequences of the whole mini-batch
     dp = dist.get_world_size(dp_group)
-    if loss_agg == "token":
-        per_seq = torch.full_like(lengths, dp / counts[0].item())
-    else:
-        per_seq = dp / (lengths.clamp(min=1) * counts[1])
+    per_seq = (torch.full_like(lengths, dp / counts[0].item()) if loss_agg == "token"
+               else dp / (lengths.clamp(min=1) * counts[1]))
     return per_seq.repeat_interleave(lengths.long()).float()
 
 
 # ----------------------------------------------------------------------------- update
-def reduce_qk_norm_grads(model, tp_group):
-    """Qwen3's q_norm / k_norm weights are replicated over tp, but each rank normalises only its own heads, so
-    each holds a partial gradient: sum them over the tp group (without this, tp ranks drift apart)."""
-    for name, param in model.named_parameters():
-        if name.endswith(("q_norm.weight", "k_norm.weight")) and param.grad is not None:
-            dist.all_reduce(param.grad.to_local(), group=tp_group)
-
-
 def clip_grad_norm(model, max_norm):
     """The global grad norm, and gradients scaled to at most max_norm. torch's clip_grad_norm_ cannot mix
     DTensors of the dp mesh (root, norms) and the (dp, tp) mesh (TP weights): take a norm per mesh, combine,
@@ -658,13 +664,19 @@ def clip_grad_norm(model, max_norm):
         total_sq += (norm.full_tensor() if isinstance(norm, DTensor) else norm).item() ** 2
     total = math.sqrt(total_sq)
     if math.isfinite(total) and max_norm > 0 and total > max_norm:
-        for grads in by_mesh.values():
-            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+        for grad in (g for grads in by_mesh.values() for g in grads):
+            grad.mul_(max_norm / (total + 1e-6))
     return total
 
 
 def micro_batches(samples, size):
     return [samples[i:i + size] for i in range(0, len(samples), size)]
+
+
+def store(samples, key, values):
+    """Split flat per-token values [N] into the samples they belong to."""
+    for s, v in zip(samples, values.split([len(s["ids"]) for s in samples])):
+        s[key] = v
 
 
 def flat(samples, key):
@@ -686,13 +698,9 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id, ref_model=No
     timer = time.perf_counter()
     with torch.no_grad():
         for batch in micro_batches(samples[per_minibatch:], cfg.micro_batch_size):
-            logp, _ = response_logprobs(model, batch, cfg, pad_id)
-            for s, lp in zip(batch, logp.split([len(s["ids"]) for s in batch])):
-                s["old_logp"] = lp
+            store(batch, "old_logp", response_logprobs(model, batch, cfg, pad_id)[0])
         for batch in micro_batches(samples, cfg.micro_batch_size) if ref_model is not None else []:
-            logp, _ = response_logprobs(ref_model, batch, cfg, pad_id)
-            for s, lp in zip(batch, logp.split([len(s["ids"]) for s in batch])):
-                s["ref_logp"] = lp
+            store(batch, "ref_logp", response_logprobs(ref_model, batch, cfg, pad_id)[0])
     sums["time_logprobs"] = time.perf_counter() - timer
     dp_group, device = mesh["dp"].get_group(), model.device
     for m in range(cfg.num_minibatches):
@@ -702,8 +710,7 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id, ref_model=No
         for batch in micro_batches(minibatch, cfg.micro_batch_size):
             logp, entropy = response_logprobs(model, batch, cfg, pad_id)
             if m == 0:
-                for s, lp in zip(batch, logp.detach().split([len(s["ids"]) for s in batch])):
-                    s["old_logp"] = lp
+                store(batch, "old_logp", logp.detach())
             old_logp = flat(batch, "old_logp")
             is_weights, mismatch = engine_mismatch(old_logp, flat(batch, "logprobs").to(device), cfg.tis_cap)
             loss, metrics = policy_loss(
@@ -716,8 +723,11 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id, ref_model=No
                 sums[key] += value
             sums["entropy"] += entropy.detach().sum().item()
             sums["tokens"] += len(logp)
-        if mesh["tp"].size() > 1:
-            reduce_qk_norm_grads(model, mesh["tp"].get_group())
+        # Qwen3's q_norm / k_norm weights are replicated over tp, but each rank normalises only its own heads:
+        # their gradients are partial sums, to be summed over tp (without this, tp ranks drift apart).
+        for name, param in model.named_parameters() if mesh["tp"].size() > 1 else []:
+            if name.endswith(("q_norm.weight", "k_norm.weight")) and param.grad is not None:
+                dist.all_reduce(param.grad.to_local(), group=mesh["tp"].get_group())
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
         if math.isfinite(grad_norm):
             optimizer.step()
@@ -731,146 +741,257 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id, ref_model=No
 def lr_lambda(cfg):
     """Linear warm-up, then constant or cosine down to 10% of --lr at the last step."""
     def factor(step):
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.lr_schedule == "constant":
-            return 1.0
-        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        if step < cfg.warmup_steps or cfg.lr_schedule == "constant":
+            return min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
     return factor
 
 
 # ----------------------------------------------------------------------------- logging
-def rollout_sums(samples, rewards):
-    lengths = [len(s["ids"]) for s in samples]
-    return {"reward": rewards.sum().item(), "accuracy": (rewards >= 1).sum().item(), "samples": len(samples),
-            "response_len": sum(lengths), "truncated": sum(s["finish"] == "length" for s in samples)}
-
-
-def reduce_over_dp(sums, maxes, mesh, device):
-    """Sums and maxima over the dp ranks (tp ranks of one dp group hold the same values)."""
-    group = mesh["dp"].get_group()
+def reduce_over_ranks(sums, maxes, mesh, device):
+    """Sums and maxima over all ranks; the tp ranks of one dp group hold the same values, so sums count once."""
     keys = sorted(sums)
     total = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(total, group=group)
+    dist.all_reduce(total)
     top = torch.tensor([float(v) for v in maxes.values()], dtype=torch.float64, device=device)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    return dict(zip(keys, total.tolist())), dict(zip(maxes, top.tolist()))
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, (total / mesh["tp"].size()).tolist())), dict(zip(maxes, top.tolist()))
 
 
 def step_metrics(sums, maxes, lr, seconds):
-    """The numbers of one step, as logged: means over samples or response tokens of all ranks."""
-    n, tokens = sums["samples"], max(sums["tokens"], 1)
-    metrics = {"reward": sums["reward"] / n, "accuracy": sums["accuracy"] / n,
-               "response_len": sums["response_len"] / n, "response_len_max": maxes["response_len_max"],
-               "truncated": sums["truncated"] / n, "entropy": sums["entropy"] / tokens,
-               "kl": sums["kl"] / tokens, "clip_frac": sums["clip_frac"] / tokens,
-               "mismatch_abs": sums["mismatch_abs"] / tokens, "mismatch_kl": sums["mismatch_kl"] / tokens,
-               "grad_norm": maxes["grad_norm"], "skipped_steps": sums["skipped_steps"], "lr": lr,
-               "tokens_per_s": sums["response_len"] / seconds, "time_step": seconds}
-    for stage in ("generate", "reward", "logprobs", "train", "push"):
-        metrics[f"time_{stage}"] = maxes[f"time_{stage}"]
+    """The numbers of one step as logged: means over all samples or all response tokens, maxima, counts."""
+    metrics = {k: sums[k] / sums["samples"] for k in ("reward", "accuracy", "response_len", "truncated")}
+    per_token = ("entropy", "kl", "clip_frac", "mismatch_abs", "mismatch_kl")
+    metrics.update({k: sums[k] / max(sums["tokens"], 1) for k in per_token}, **maxes)
+    metrics.update(skipped_steps=sums["skipped_steps"], reward_errors=sums["reward_errors"], lr=lr,
+                   tokens_per_s=sums["response_len"] / seconds, time_step=seconds)
     return metrics
 
 
+def keep_logged_steps(out_dir, steps):
+    """On resume, drop the metrics of steps after the checkpoint: they are run again."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    with open(path, "a+") as f:
+        f.seek(0)
+        kept = [line for line in f if json.loads(line)["step"] <= steps]
+        f.truncate(0)
+        f.writelines(kept)
+
+
 def log_step(step, metrics, cfg, wandb_run):
-    line = (f"step {step + 1}/{cfg.steps} | reward {metrics['reward']:.3f} | acc {metrics['accuracy']:.3f} | "
-            f"len {metrics['response_len']:.1f} | ent {metrics['entropy']:.3f} | kl {metrics['kl']:.4f} | "
-            f"clip {metrics['clip_frac']:.3f} | gnorm {metrics['grad_norm']:.3f} | lr {metrics['lr']:.2e} | "
-            f"mismatch {metrics['mismatch_abs']:.2e} | {metrics['time_step']:.2f}s "
-            f"(gen {metrics['time_generate']:.2f} train {metrics['time_train']:.2f} "
-            f"push {metrics['time_push']:.2f}) | {metrics['tokens_per_s']:.0f} tok/s")
-    print(line, flush=True)
+    m = metrics
+    line = (f"step {step + 1}/{cfg.steps} | reward {m['reward']:.3f} | acc {m['accuracy']:.3f} | "
+            f"len {m['response_len']:.1f} | ent {m['entropy']:.3f} | kl {m['kl']:.4f} | clip {m['clip_frac']:.3f} | "
+            f"gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | mismatch {m['mismatch_abs']:.2e} | "
+            f"{m['time_step']:.2f}s (gen {m['time_generate']:.2f} train {m['time_train']:.2f} "
+            f"push {m['time_push']:.2f}) | {m['tokens_per_s']:.0f} tok/s")
+    evals = " | ".join(f"{k} {v:.3f}" for k, v in m.items() if k.startswith("eval_") and k != "eval_prompts")
+    print(line + (f"\n  eval ({m['eval_prompts']:.0f} prompts): {evals}" if evals else ""), flush=True)
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
     if wandb_run is not None:
         wandb_run.log(metrics, step=step + 1)
 
 
+# ----------------------------------------------------------------------------- eval
+def evaluate(engine, tokenizer, test_set, pool, cfg, mesh, device):
+    """On the first --eval_prompts held-out prompts: greedy accuracy, and mean@k (the fraction of k samples at
+    --eval_temperature that are right) and pass@k (at least one of the k is right). Right = reward 1.0."""
+    dp_rank, dp, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["tp"].get_group()
+    rows = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
+    sums = dict.fromkeys(("greedy", "mean_at_k", "pass_at_k", "prompts"), 0.0)
+    if rows:
+        greedy = generate_rollouts(engine, tokenizer, rows, cfg, cfg.seed, tp_group, n=1, temperature=0.0)
+        sampled = generate_rollouts(engine, tokenizer, rows, cfg, cfg.seed, tp_group, cfg.eval_k,
+                                    cfg.eval_temperature)
+        right = score(pool, sampled, rows, tokenizer, cfg.reward_timeout)[0].view(len(rows), cfg.eval_k) >= 1
+        sums = {"greedy": (score(pool, greedy, rows, tokenizer, cfg.reward_timeout)[0] >= 1).sum().item(),
+                "mean_at_k": right.float().mean(1).sum().item(), "pass_at_k": right.any(1).sum().item(),
+                "prompts": len(rows)}
+    sums, _ = reduce_over_ranks(sums, {}, mesh, device)
+    n = max(sums.pop("prompts"), 1)
+    return {"eval_greedy_acc": sums["greedy"] / n, f"eval_mean@{cfg.eval_k}": sums["mean_at_k"] / n,
+            f"eval_pass@{cfg.eval_k}": sums["pass_at_k"] / n, "eval_prompts": n}
+
+
+# ----------------------------------------------------------------------------- checkpoint
+def save_checkpoint(cfg, step, model, optimizer, scheduler, tokenizer, wandb_id):
+    """out_dir/checkpoints/step_N: hf/ (safetensors, config, tokenizer: from_pretrained and SGLang load it as is),
+    dcp/ (sharded model and optimizer) and trainer_state.json (step, lr schedule, wandb id). No RNG state is
+    needed: data order and sampling are seeded from (--seed, step). Written as step_N.tmp and renamed when
+    complete, so a crash while saving leaves the previous checkpoint usable."""
+    rank, root = dist.get_rank(), os.path.join(cfg.out_dir, "checkpoints")
+    final = os.path.join(root, f"step_{step:06d}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        from safetensors.torch import save_file
+        hf = os.path.join(tmp, "hf")
+        model.config.save_pretrained(hf)
+        tokenizer.save_pretrained(hf)
+        tied = model.config.tie_word_embeddings  # HF stores a tied lm_head once, as the embedding
+        save_file({k: v.contiguous() for k, v in full.items() if not (tied and k == "lm_head.weight")},
+                  os.path.join(hf, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "scheduler": scheduler.state_dict(), "wandb_id": wandb_id}, f)
+        os.replace(tmp, final)
+        for old in complete_checkpoints(cfg.out_dir)[:-cfg.keep_checkpoints]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def complete_checkpoints(out_dir):
+    """Complete checkpoints under out_dir, oldest first (a .tmp folder is an interrupted save)."""
+    root = os.path.join(out_dir, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return [os.path.join(root, n) for n in sorted(names) if n.startswith("step_") and not n.endswith(".tmp")]
+
+
+def resume_path(cfg):
+    """The checkpoint to resume from; "" to start afresh."""
+    path = (complete_checkpoints(cfg.out_dir) or [""])[-1] if cfg.resume == "auto" else cfg.resume
+    if path and not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        raise SystemExit(f"--resume {path}: not a complete checkpoint folder (no trainer_state.json)")
+    return path
+
+
+def load_checkpoint(path, model, optimizer, scheduler):
+    """Restore everything save_checkpoint wrote; returns (step, wandb id)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        trainer_state = json.load(f)
+    scheduler.load_state_dict(trainer_state["scheduler"])
+    return trainer_state["step"], trainer_state["wandb_id"]
+
+
+def stop_on_signal():
+    """SIGTERM or Ctrl-C: finish the current step, save a checkpoint, exit. A second Ctrl-C exits at once."""
+    requested = threading.Event()
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C raises KeyboardInterrupt
+        requested.set()
+        print(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint", flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    return requested
+
+
 # ----------------------------------------------------------------------------- main
 def main():
     cfg = parse_config()
-    rank, world, device, mesh = init_distributed(cfg.tp)
-    check_config(cfg, world)
+    rank, device, mesh = init_distributed(cfg)
     if rank == 0:
         print(json.dumps(asdict(cfg), indent=1))
     tokenizer = load_tokenizer(cfg)
-    train_set = PromptDataset(cfg, "train")
+    train_set, test_set = PromptDataset(cfg, "train"), PromptDataset(cfg, "test")
     from transformers import AutoConfig
     model_config = tiny_model_config(len(tokenizer)) if cfg.model == "tiny" else AutoConfig.from_pretrained(cfg.model)
-    check_model_config(model_config, cfg.tp)
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(model_config, field) % cfg.tp:
+            raise SystemExit(f"--tp {cfg.tp} must divide the model's {field} ({getattr(model_config, field)})")
+    # Reward workers, forked before the model and engine take memory; they leave Ctrl-C to the trainer.
+    pool = multiprocessing.get_context("fork").Pool(cfg.reward_workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
 
     state_dict = full_state_dict(cfg, model_config) if rank == 0 else {}
     model = build_model(model_config, mesh, device, state_dict, cfg.activation_checkpointing)
-    ref_model = None
-    if cfg.beta > 0:
-        ref_model = build_model(model_config, mesh, device, state_dict).requires_grad_(False)
+    ref_model = build_model(model_config, mesh, device, state_dict).requires_grad_(False) if cfg.beta > 0 else None
     del state_dict
     # Built before the first forward: after any forward FSDP2 leaves root parameters unsharded, and an
     # optimizer built then would hold tensors that never update.
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-
-    engine = create_engine(cfg, model_config, mesh, device, tokenizer.pad_token_id)
-    try:
-        train_loop(cfg, model, ref_model, optimizer, scheduler, engine, tokenizer, train_set, mesh, device)
-    finally:  # no orphaned engine processes, whatever ended the run
-        if engine is not None:
-            engine.shutdown()
-    dist.barrier()  # gloo aborts a rank whose peer tears down first
-    dist.destroy_process_group()
-
-
-def train_loop(cfg, model, ref_model, optimizer, scheduler, engine, tokenizer, train_set, mesh, device):
-    rank, dp_rank, dp = dist.get_rank(), mesh["dp"].get_local_rank(), mesh["dp"].size()
-    pad_id = tokenizer.pad_token_id
-    push_weights(model, engine, cfg.bucket_mb)
+    path = resume_path(cfg)
+    start_step, wandb_id = load_checkpoint(path, model, optimizer, scheduler) if path else (0, None)
     wandb_run = None
     if rank == 0:
+        print(f"resumed from {path} at step {start_step}" if path else "starting from step 0", flush=True)
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=1)
+        keep_logged_steps(cfg.out_dir, start_step)
         if cfg.wandb_project:
             import wandb
-            wandb_run = wandb.init(project=cfg.wandb_project, config=asdict(cfg),
-                                   mode="offline" if cfg.wandb_offline else "online", dir=cfg.out_dir)
-
-    for step in range(cfg.steps):
-        times, start = {}, time.perf_counter()
-        # --- generate: G samples per prompt from the engine
-        rows = step_rows(train_set, step, cfg, dp_rank, dp)
-        seed = (cfg.seed * 1_000_003 + step) * dp + dp_rank
-        samples = generate_rollouts(engine, tokenizer, rows, cfg, seed, mesh["tp"].get_group())
-        if engine is not None and cfg.engine == "sglang" and not cfg.keep_engine_memory:
-            engine.release_memory()  # the training phase gets the engine's weights and KV cache memory
-        times["time_generate"] = time.perf_counter() - start
-        # --- reward
-        timer = time.perf_counter()
-        rewards = score(samples, rows, tokenizer, cfg.group_size)
-        times["time_reward"] = time.perf_counter() - timer
-        # --- advantages: within each group of G samples of one prompt
-        for sample, advantage in zip(samples, group_advantages(rewards, cfg.group_size, cfg.scale_std).tolist()):
-            sample["advantage"] = advantage
-        # --- logprobs, loss and update
-        timer = time.perf_counter()
-        model.train()
-        sums = train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id, ref_model)
-        scheduler.step()
-        times["time_logprobs"] = sums.pop("time_logprobs")
-        times["time_train"] = time.perf_counter() - timer - times["time_logprobs"]
-        # --- push the new weights into the engine
-        timer = time.perf_counter()
+            wandb_run = wandb.init(project=cfg.wandb_project, config=asdict(cfg), id=wandb_id, resume="allow",
+                                   dir=cfg.out_dir)
+    stop = stop_on_signal()
+    dp_rank, dp, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["tp"].get_group()
+    engine = create_engine(cfg, model_config, mesh, device, tokenizer.pad_token_id)
+    reward_failed = False
+    try:
         push_weights(model, engine, cfg.bucket_mb)
-        times["time_push"] = time.perf_counter() - timer
-        # --- log
-        sums.update(rollout_sums(samples, rewards))
-        maxes = {"response_len_max": max(len(s["ids"]) for s in samples), "grad_norm": sums.pop("grad_norm"), **times}
-        sums, maxes = reduce_over_dp(sums, maxes, mesh, device)
-        metrics = step_metrics(sums, maxes, scheduler.get_last_lr()[0], time.perf_counter() - start)
-        if rank == 0:
-            log_step(step, metrics, cfg, wandb_run)
+        for step in range(start_step, cfg.steps):
+            times, start = {}, time.perf_counter()
+            # --- generate: G samples per prompt from the engine
+            rows = step_rows(train_set, step, cfg, dp_rank, dp)
+            seed = (cfg.seed * 1_000_003 + step) * dp + dp_rank
+            samples = generate_rollouts(engine, tokenizer, rows, cfg, seed, tp_group)
+            if engine is not None and cfg.engine == "sglang" and not cfg.keep_engine_memory:
+                engine.release_memory()  # the training phase gets the engine's weights and KV cache memory
+            times["time_generate"] = time.perf_counter() - start
+            # --- reward
+            timer = time.perf_counter()
+            rewards, errors = score(pool, samples, rows, tokenizer, cfg.reward_timeout)
+            if errors and not reward_failed:
+                print(f"reward_fn failed; it scores 0, counted as reward_errors (shown once):\n{errors[0]}")
+            reward_failed = reward_failed or bool(errors)
+            times["time_reward"] = time.perf_counter() - timer
+            # --- advantages: within each group of G samples of one prompt
+            advantages = group_advantages(rewards, cfg.group_size, cfg.scale_std)
+            for sample, advantage in zip(samples, advantages.tolist()):
+                sample["advantage"] = advantage
+            # --- logprobs, loss and update
+            timer = time.perf_counter()
+            sums = train_on_rollouts(model, optimizer, samples, cfg, mesh, tokenizer.pad_token_id, ref_model)
+            scheduler.step()
+            times["time_logprobs"] = sums.pop("time_logprobs")
+            times["time_train"] = time.perf_counter() - timer - times["time_logprobs"]
+            # --- push the new weights into the engine
+            timer = time.perf_counter()
+            push_weights(model, engine, cfg.bucket_mb)
+            times["time_push"] = time.perf_counter() - timer
+            # --- log, evaluate
+            lengths = [len(s["ids"]) for s in samples]
+            sums.update(reward=rewards.sum().item(), accuracy=(rewards >= 1).sum().item(), samples=len(samples),
+                        response_len=sum(lengths), truncated=sum(s["finish"] == "length" for s in samples),
+                        reward_errors=len(errors))
+            maxes = {"response_len_max": max(lengths), "grad_norm": sums.pop("grad_norm"), **times,
+                     "stop": float(stop.is_set())}  # a signal seen by any rank stops all of them after this step
+            sums, maxes = reduce_over_ranks(sums, maxes, mesh, device)
+            stopping = maxes.pop("stop")
+            metrics = step_metrics(sums, maxes, scheduler.get_last_lr()[0], time.perf_counter() - start)
+            last = step + 1 == cfg.steps
+            if cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):
+                metrics.update(evaluate(engine, tokenizer, test_set, pool, cfg, mesh, device))
+            if rank == 0:
+                log_step(step, metrics, cfg, wandb_run)
+            # --- checkpoint; on SIGTERM / Ctrl-C save and stop
+            if stopping or last or (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0):
+                path = save_checkpoint(cfg, step + 1, model, optimizer, scheduler, tokenizer,
+                                       wandb_run.id if wandb_run else wandb_id)
+            if stopping:
+                if rank == 0:
+                    print(f"stopped after step {step + 1}: checkpoint {path}; continue with --resume auto", flush=True)
+                break
+    finally:  # no orphaned engine or reward processes, whatever ended the run
+        if engine is not None:
+            engine.shutdown()
+        pool.terminate()
     if wandb_run is not None:
         wandb_run.finish()
+    dist.barrier()  # gloo aborts a rank whose peer tears down first
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

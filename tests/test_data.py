@@ -77,7 +77,8 @@ def test_countdown_problems_follow_the_seed():
 
 def test_countdown_solution_scores_one_through_reward():
     """Data and reward agree: a solution found independently of the generator earns the full reward."""
-    dataset = train.PromptDataset(train.Config(task="countdown", train_size=30, test_size=10), "train")
+    cfg = train.Config(task="countdown", train_size=30, test_size=10, prompts_per_step=8)
+    dataset = train.PromptDataset(cfg, "train")
     for i in range(len(dataset)):
         item = dataset[i]
         expr = solve_countdown(item["nums"], item["target"])
@@ -140,16 +141,16 @@ def check_gsm8k_item(item):
 def test_gsm8k_jsonl_file_gives_question_prompt_and_answer_after_hashes(tmp_path, datasets_cache):
     path = tmp_path / "gsm8k.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in GSM8K_ROWS))
-    dataset = train.PromptDataset(train.Config(task="gsm8k", data_path=str(path)), "train")
+    dataset = train.PromptDataset(train.Config(task="gsm8k", data_path=str(path), prompts_per_step=1), "train")
     assert len(dataset) == 2
     check_gsm8k_item(dataset[0])
     assert dataset[1]["answer"] == "2"
     held_out = tmp_path / "test.jsonl"
     held_out.write_text(json.dumps(GSM8K_ROWS[1]) + "\n")
-    cfg = train.Config(task="gsm8k", data_path=str(path), test_data_path=str(held_out))
+    cfg = train.Config(task="gsm8k", data_path=str(path), test_data_path=str(held_out), prompts_per_step=1)
     assert [row["answer"] for row in train.PromptDataset(cfg, "test")] == ["2"]
     with pytest.raises(SystemExit, match="--test_data_path"):
-        train.load_rows(train.Config(task="gsm8k", data_path=str(path)), "test")
+        train.load_rows(train.Config(task="gsm8k", data_path=str(path), prompts_per_step=1), "test")
 
 
 def test_gsm8k_parquet_file_gives_question_prompt_and_answer_after_hashes(tmp_path, datasets_cache):
@@ -157,7 +158,7 @@ def test_gsm8k_parquet_file_gives_question_prompt_and_answer_after_hashes(tmp_pa
     import pyarrow.parquet as pq
     path = tmp_path / "gsm8k.parquet"
     pq.write_table(pa.Table.from_pylist(GSM8K_ROWS), path)
-    dataset = train.PromptDataset(train.Config(task="gsm8k", data_path=str(path)), "train")
+    dataset = train.PromptDataset(train.Config(task="gsm8k", data_path=str(path), prompts_per_step=1), "train")
     assert len(dataset) == 2
     check_gsm8k_item(dataset[0])
 
@@ -302,9 +303,21 @@ def test_step_rows_returns_dataset_items():
     assert len(rows) == 2 and all(row["task"] == "countdown" and row["prompt"] for row in rows)
 
 
-def test_step_rows_with_fewer_rows_than_prompts_per_step_names_the_flag():
+def test_a_split_with_fewer_rows_than_prompts_per_step_names_the_flag():
     with pytest.raises(SystemExit, match="--prompts_per_step"):
-        train.step_rows(list(range(7)), 0, train.Config(prompts_per_step=8), 0, 1)
+        train.PromptDataset(train.Config(task="countdown", train_size=7, prompts_per_step=8), "train")
+
+
+def test_an_item_without_a_reward_field_names_getitem_to_edit(tmp_path, datasets_cache):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    cfg = train.Config(task="gsm8k", data_path=str(path), prompts_per_step=1)
+
+    class NoAnswer(train.PromptDataset):
+        def __getitem__(self, i):
+            return {k: v for k, v in super().__getitem__(i).items() if k != "answer"}
+    with pytest.raises(SystemExit, match="'answer'.*PromptDataset.__getitem__"):
+        NoAnswer(cfg, "train")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torchrun(nproc, *flags, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def torchrun(nproc, *flags, timeout=300, **env_vars):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_vars)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            "train.py", *flags]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -42,7 +42,7 @@ def test_cpu_preset_learns_the_toy_reward(tmp_path):
 def test_tensor_parallel_run_with_reference_model_logged_to_offline_wandb(tmp_path):
     """tp 2 on 2 ranks with the k3 KL to a reference model and an entropy bonus; wandb offline (no network)."""
     run = torchrun(2, "--preset", "cpu", "--tp", "2", "--beta", "0.1", "--steps", "4", "--entropy_coef", "0.01",
-                   "--wandb_project", "grpo-test", "--wandb_offline", "true", "--out_dir", str(tmp_path))
+                   "--wandb_project", "grpo-test", "--out_dir", str(tmp_path), WANDB_MODE="offline")
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 4
