@@ -24,7 +24,6 @@ import random
 import shutil
 import signal
 import string
-import tempfile
 import threading
 import time
 import traceback
@@ -290,10 +289,8 @@ def step_rows(dataset, step, cfg, dp_rank, dp):
 
 # ----------------------------------------------------------------------------- model and mesh
 def init_distributed(cfg):
-    """Rank, device and the ("dp", "tp") mesh, once the flags are checked; `python train.py` is a world of one."""
+    """Rank, device and the ("dp", "tp") mesh, once the flags are checked."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world, device_id=device if cuda else None)
@@ -406,17 +403,21 @@ class SGLangEngine:
     the group's first rank. Weights arrive as flattened bf16 buckets through CUDA IPC, never through disk."""
     dtype = torch.bfloat16
 
-    def __init__(self, cfg, model_config, tp, base_gpu_id):
+    def __init__(self, cfg, model_config, tp, base_gpu_id, rank=0):
         import sglang
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID, as the engine's side expects
         # Under torchrun the engine's schedulers would join torchrun's store as clients and hang at start.
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-        config_dir = tempfile.mkdtemp(prefix="grpo-engine-")  # the engine reads the architecture from disk
+        if not model_config.architectures:  # a config built in code (--model tiny) names no class; SGLang needs one
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            model_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_config.model_type]]
+        config_dir = os.path.join(cfg.out_dir, f"engine_model_rank{rank}")  # read from disk by SGLang
         model_config.save_pretrained(config_dir)
         self.engine = sglang.Engine(
             model_path=config_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", tp_size=tp,
-            dp_size=1, base_gpu_id=base_gpu_id, nccl_port=cfg.engine_port + base_gpu_id, random_seed=cfg.seed,
+            dp_size=1, base_gpu_id=base_gpu_id, nccl_port=cfg.engine_port + base_gpu_id,
+            random_seed=cfg.seed * 1000 + rank,
             enable_memory_saver=True, mem_fraction_static=cfg.mem_fraction, log_level="error")
         self.tp, self.released = tp, False
 
@@ -442,15 +443,17 @@ class SGLangEngine:
         session = hasattr(self.engine, "begin_weight_update")  # sglang >= 0.5.21 pushes inside a session
         if session:
             check(self.engine.begin_weight_update())
-        for bucket in buckets:
-            flat = FlattenedTensorBucket(named_tensors=bucket)
-            payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-            # One serialization per engine TP rank: each rank opens (and releases) its own IPC handles.
-            per_rank = [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(self.tp)]
-            check(self.engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket",
-                                                         flush_cache=False))
-        if session:
-            check(self.engine.end_weight_update())
+        try:
+            for bucket in buckets:
+                flat = FlattenedTensorBucket(named_tensors=bucket)
+                payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+                # One serialization per engine TP rank: each rank opens (and releases) its own IPC handles.
+                per_rank = [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(self.tp)]
+                check(self.engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket",
+                                                             flush_cache=False))
+        finally:  # an open session would refuse the next push
+            if session:
+                check(self.engine.end_weight_update())
         self.engine.flush_cache()  # cached prefixes were computed with the old weights
         if self.released:
             self.engine.resume_memory_occupation(tags=["kv_cache"])
@@ -474,7 +477,7 @@ def create_engine(cfg, model_config, mesh, device, pad_id):
         return None
     if cfg.engine == "hf":
         return HFEngine(model_config, device, pad_id)
-    return SGLangEngine(cfg, model_config, cfg.tp, base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)))
+    return SGLangEngine(cfg, model_config, cfg.tp, int(os.environ.get("LOCAL_RANK", 0)), dist.get_rank())
 
 
 def weight_buckets(model, bucket_bytes, dtype):
@@ -536,19 +539,21 @@ def reward_or_error(completion, sample, timeout):
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def score(pool, samples, rows, tokenizer, timeout):
-    """Rewards [N] of the decoded completions, each scored with the row of its prompt, and the tracebacks of
-    failed calls (they score 0). A call stuck in C code, where SIGALRM cannot reach, is given up after
-    timeout + 5 s and scores 0; its worker stays busy until it returns."""
+def score(pool, samples, rows, tokenizer, cfg):
+    """Rewards [N] of the decoded completions, each scored in the reward workers with the row of its prompt, and
+    the tracebacks of failed calls (they score 0). The batch has a deadline that calls cut off by SIGALRM always
+    meet; a call that SIGALRM cannot reach (signals blocked in C code) misses it and scores 0."""
     per_prompt = len(samples) // len(rows)
+    deadline = time.monotonic() + cfg.reward_timeout * math.ceil(len(samples) / cfg.reward_workers) + 5
     jobs = [pool.apply_async(reward_or_error, (tokenizer.decode(s["ids"], skip_special_tokens=True),
-                                               rows[i // per_prompt], timeout)) for i, s in enumerate(samples)]
+                                               rows[i // per_prompt], cfg.reward_timeout))
+            for i, s in enumerate(samples)]
     results = []
     for job in jobs:
         try:
-            results.append(job.get(timeout=timeout + 5))
+            results.append(job.get(timeout=max(0.0, deadline - time.monotonic())))
         except multiprocessing.TimeoutError:
-            results.append((0.0, "reward_fn did not return within --reward_timeout + 5 s"))
+            results.append((0.0, "reward_fn did not return by the batch's deadline (signals blocked?)"))
     return torch.tensor([r for r, _ in results]), [error for _, error in results if error]
 
 
@@ -687,11 +692,8 @@ def flat(samples, key):
 
 def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id, ref_model=None):
     """cfg.num_minibatches optimizer steps over one rollout batch; returns metric sums over this rank's tokens.
-
-    Each sample carries "ids", "prompt_ids", "advantage" and the engine's "logprobs". The ratio's denominator is
-    the policy that sampled: the first mini-batch is trained before any update, so its logprobs serve (detached);
-    later mini-batches need a no-grad pass before the first update.
-    """
+    The ratio's denominator is the policy that sampled: the first mini-batch trains before any update, so its
+    own logprobs serve (detached); later mini-batches get theirs from a no-grad pass before the first update."""
     keys = ("clip_frac", "kl", "entropy", "tokens", "mismatch_abs", "mismatch_kl", "skipped_steps", "grad_norm")
     sums = dict.fromkeys(keys, 0.0)  # the same keys on every rank: they are all-reduced
     per_minibatch = len(samples) // cfg.num_minibatches
@@ -769,16 +771,6 @@ def step_metrics(sums, maxes, lr, seconds):
     return metrics
 
 
-def keep_logged_steps(out_dir, steps):
-    """On resume, drop the metrics of steps after the checkpoint: they are run again."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    with open(path, "a+") as f:
-        f.seek(0)
-        kept = [line for line in f if json.loads(line)["step"] <= steps]
-        f.truncate(0)
-        f.writelines(kept)
-
-
 def log_step(step, metrics, cfg, wandb_run):
     m = metrics
     line = (f"step {step + 1}/{cfg.steps} | reward {m['reward']:.3f} | acc {m['accuracy']:.3f} | "
@@ -805,8 +797,8 @@ def evaluate(engine, tokenizer, test_set, pool, cfg, mesh, device):
         greedy = generate_rollouts(engine, tokenizer, rows, cfg, cfg.seed, tp_group, n=1, temperature=0.0)
         sampled = generate_rollouts(engine, tokenizer, rows, cfg, cfg.seed, tp_group, cfg.eval_k,
                                     cfg.eval_temperature)
-        right = score(pool, sampled, rows, tokenizer, cfg.reward_timeout)[0].view(len(rows), cfg.eval_k) >= 1
-        sums = {"greedy": (score(pool, greedy, rows, tokenizer, cfg.reward_timeout)[0] >= 1).sum().item(),
+        right = score(pool, sampled, rows, tokenizer, cfg)[0].view(len(rows), cfg.eval_k) >= 1
+        sums = {"greedy": (score(pool, greedy, rows, tokenizer, cfg)[0] >= 1).sum().item(),
                 "mean_at_k": right.float().mean(1).sum().item(), "pass_at_k": right.any(1).sum().item(),
                 "prompts": len(rows)}
     sums, _ = reduce_over_ranks(sums, {}, mesh, device)
@@ -817,10 +809,9 @@ def evaluate(engine, tokenizer, test_set, pool, cfg, mesh, device):
 
 # ----------------------------------------------------------------------------- checkpoint
 def save_checkpoint(cfg, step, model, optimizer, scheduler, tokenizer, wandb_id):
-    """out_dir/checkpoints/step_N: hf/ (safetensors, config, tokenizer: from_pretrained and SGLang load it as is),
-    dcp/ (sharded model and optimizer) and trainer_state.json (step, lr schedule, wandb id). No RNG state is
-    needed: data order and sampling are seeded from (--seed, step). Written as step_N.tmp and renamed when
-    complete, so a crash while saving leaves the previous checkpoint usable."""
+    """out_dir/checkpoints/step_N: hf/ (from_pretrained and SGLang load it as is), dcp/ (sharded model and
+    optimizer), trainer_state.json (step, lr schedule, wandb id); no RNG state, as data order and sampling are
+    seeded from (--seed, step). Written as step_N.tmp, then renamed: a crash mid-save leaves the last one usable."""
     rank, root = dist.get_rank(), os.path.join(cfg.out_dir, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
@@ -892,8 +883,6 @@ def stop_on_signal():
 def main():
     cfg = parse_config()
     rank, device, mesh = init_distributed(cfg)
-    if rank == 0:
-        print(json.dumps(asdict(cfg), indent=1))
     tokenizer = load_tokenizer(cfg)
     train_set, test_set = PromptDataset(cfg, "train"), PromptDataset(cfg, "test")
     from transformers import AutoConfig
@@ -901,8 +890,6 @@ def main():
     for field in ("num_attention_heads", "num_key_value_heads"):
         if getattr(model_config, field) % cfg.tp:
             raise SystemExit(f"--tp {cfg.tp} must divide the model's {field} ({getattr(model_config, field)})")
-    # Reward workers, forked before the model and engine take memory; they leave Ctrl-C to the trainer.
-    pool = multiprocessing.get_context("fork").Pool(cfg.reward_workers, signal.signal, (signal.SIGINT, signal.SIG_IGN))
 
     state_dict = full_state_dict(cfg, model_config) if rank == 0 else {}
     model = build_model(model_config, mesh, device, state_dict, cfg.activation_checkpointing)
@@ -916,15 +903,23 @@ def main():
     start_step, wandb_id = load_checkpoint(path, model, optimizer, scheduler) if path else (0, None)
     wandb_run = None
     if rank == 0:
-        print(f"resumed from {path} at step {start_step}" if path else "starting from step 0", flush=True)
         os.makedirs(cfg.out_dir, exist_ok=True)
+        config_text = json.dumps(asdict(cfg), indent=1)
+        print(config_text + (f"\nresumed from {path} at step {start_step}" if path else ""), flush=True)
         with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-            json.dump(asdict(cfg), f, indent=1)
-        keep_logged_steps(cfg.out_dir, start_step)
+            f.write(config_text)
+        with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a+") as f:  # on resume, drop steps that run again
+            f.seek(0)
+            kept = [line for line in f if json.loads(line)["step"] <= start_step]
+            f.truncate(0)
+            f.writelines(kept)
         if cfg.wandb_project:
             import wandb
             wandb_run = wandb.init(project=cfg.wandb_project, config=asdict(cfg), id=wandb_id, resume="allow",
                                    dir=cfg.out_dir)
+    # Reward workers: forked before the engine starts and before the signal handlers below, in a session of their
+    # own, so that the job's signals (Ctrl-C, torchrun's SIGTERM) reach only the trainer, which finishes the step.
+    pool = multiprocessing.get_context("fork").Pool(cfg.reward_workers, initializer=os.setsid)
     stop = stop_on_signal()
     dp_rank, dp, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["tp"].get_group()
     engine = create_engine(cfg, model_config, mesh, device, tokenizer.pad_token_id)
@@ -942,8 +937,8 @@ def main():
             times["time_generate"] = time.perf_counter() - start
             # --- reward
             timer = time.perf_counter()
-            rewards, errors = score(pool, samples, rows, tokenizer, cfg.reward_timeout)
-            if errors and not reward_failed:
+            rewards, errors = score(pool, samples, rows, tokenizer, cfg)
+            if errors and not reward_failed and rank == 0:
                 print(f"reward_fn failed; it scores 0, counted as reward_errors (shown once):\n{errors[0]}")
             reward_failed = reward_failed or bool(errors)
             times["time_reward"] = time.perf_counter() - timer

@@ -1,5 +1,6 @@
 """The CPU rollout engine: sampled ids kept exactly (stop token included), its logprobs, seeding, weight pushes
 from a sharded policy, and the broadcast of rollouts to the other ranks of a tp group."""
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
@@ -99,3 +100,38 @@ def test_pushed_weights_reach_the_engine_and_rollouts_reach_every_tp_rank():
     assert prompts == [ab] * 3 + [cde] * 3  # G samples per prompt, grouped by prompt
     # The engine's logprobs equal the trainer's on the sampled tokens: the push was complete and exact.
     assert max(r["mismatch"] for r in results) < 1e-5
+
+
+def bucket_plan(rank, world, dp, tp, tied, bucket_bytes):
+    config = tiny_config("qwen3", tied)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config)
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = train.build_model(config, mesh, torch.device("cpu"), state if rank == 0 else {})
+    want = dict(reference.named_parameters())
+    buckets = list(train.weight_buckets(model, bucket_bytes, torch.bfloat16))
+    tensors = [t for bucket in buckets for _, t in bucket]
+    return {"names": [[n for n, _ in bucket] for bucket in buckets], "want_names": list(want),
+            "bytes": [[t.numel() * t.element_size() for _, t in bucket] for bucket in buckets],
+            "plain": all(type(t) is torch.Tensor for t in tensors),
+            "bf16": all(t.dtype == torch.bfloat16 for t in tensors),
+            "exact": all(torch.equal(t, want[n].detach().to(torch.bfloat16)) for b in buckets for n, t in b)}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)])
+def test_weight_buckets_hold_every_full_bf16_weight_once_under_hf_names(dp, tp, tied):
+    bound = 4096  # bytes: the tiny model's ~50 KB of bf16 weights make many buckets
+    results = run_ranks(bucket_plan, dp * tp, dp, tp, tied, bound)
+    for r in results:
+        names = sum(r["names"], [])
+        assert names == r["want_names"]  # each parameter once, HF names, no wrapper prefixes
+        assert ("lm_head.weight" in names) != tied  # a tied lm_head is the embedding: not sent twice
+        assert r["plain"] and r["bf16"] and r["exact"]
+        assert len(r["bytes"]) > 1
+        for sizes in r["bytes"]:
+            assert sum(sizes[:-1]) < bound  # a bucket closes as soon as it reaches the bound
+        for sizes in r["bytes"][:-1]:
+            assert sum(sizes) >= bound
+    assert all(r["names"] == results[0]["names"] for r in results)  # the same plan on every rank

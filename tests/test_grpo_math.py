@@ -158,3 +158,52 @@ def test_lr_schedule_warms_up_then_holds_or_decays():
     assert [f(s) for s in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
     cosine = train.lr_lambda(train.Config(warmup_steps=4, steps=14, lr_schedule="cosine"))
     assert cosine(4) == pytest.approx(1.0) and cosine(9) == pytest.approx(0.55) and cosine(14) == pytest.approx(0.1)
+
+
+def engine_and_trainer_logprobs(n=50, seed=6):
+    g = torch.Generator().manual_seed(seed)
+    engine = -torch.rand(n, generator=g, dtype=torch.float64) * 4
+    trainer = engine + torch.randn(n, generator=g, dtype=torch.float64) * 0.5
+    return trainer, engine
+
+
+@pytest.mark.parametrize("cap", [0.0, 1.5])
+def test_engine_mismatch_sums_and_truncated_importance_weights_match_the_formulas(cap):
+    trainer, engine = engine_and_trainer_logprobs()
+    weights, sums = train.engine_mismatch(trainer, engine, cap)
+    ratios = [math.exp(t) / math.exp(e) for t, e in zip(trainer.tolist(), engine.tolist())]  # p_trainer / p_engine
+    assert sums["mismatch_abs"] == pytest.approx(sum(abs(math.log(r)) for r in ratios), rel=1e-12)
+    assert sums["mismatch_kl"] == pytest.approx(sum(r - 1 - math.log(r) for r in ratios), rel=1e-10)  # k3
+    if cap == 0:
+        assert weights is None
+    else:
+        assert weights.tolist() == pytest.approx([min(r, cap) for r in ratios], rel=1e-12)
+        assert 0 < sum(r > cap for r in ratios) < len(ratios)  # the cap binds on some tokens, not all
+
+
+def test_identical_logprobs_give_no_mismatch_and_unit_weights():
+    trainer, _ = engine_and_trainer_logprobs()
+    weights, sums = train.engine_mismatch(trainer, trainer.clone(), 2.0)
+    assert sums == {"mismatch_abs": 0.0, "mismatch_kl": 0.0} and weights.tolist() == [1.0] * len(trainer)
+
+
+def test_importance_weights_scale_only_the_policy_gradient_term():
+    g = torch.Generator().manual_seed(7)
+    n = 64
+    old = -torch.rand(n, generator=g, dtype=torch.float64) * 3
+    logp = old + torch.randn(n, generator=g, dtype=torch.float64) * 0.3
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    ref = old + torch.randn(n, generator=g, dtype=torch.float64) * 0.2
+    ent = torch.rand(n, generator=g, dtype=torch.float64)
+    weights = torch.rand(n, generator=g, dtype=torch.float64)
+    is_w = torch.rand(n, generator=g, dtype=torch.float64) * 2
+    beta, coef, lo, hi = 0.05, 0.01, 0.2, 0.28
+    loss, _ = train.policy_loss(logp, old, adv, weights, lo, hi, beta, ref, coef, ent, is_weights=is_w)
+    expected = 0.0
+    for i in range(n):
+        r = math.exp(logp[i].item() - old[i].item())
+        a = adv[i].item()
+        pg = -min(r * a, min(max(r, 1 - lo), 1 + hi) * a)
+        d = ref[i].item() - logp[i].item()
+        expected += weights[i].item() * (is_w[i].item() * pg + beta * (math.exp(d) - d - 1) - coef * ent[i].item())
+    assert loss.item() == pytest.approx(expected, rel=1e-12)

@@ -9,11 +9,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torchrun(nproc, *flags, timeout=300, **env_vars):
+def torchrun(nproc, *flags, timeout=300, cwd=ROOT, **env_vars):
     env = dict(os.environ, OMP_NUM_THREADS="1", **env_vars)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            "train.py", *flags]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def metrics(out_dir):

@@ -1,0 +1,120 @@
+"""A CPU stand-in for the parts of sglang.Engine that train.SGLangEngine calls, following the behaviour of sglang
+0.5.17 / 0.5.23 described in .notes/sglang_api.md. It records every call in `engine.calls`, in order.
+
+Engine: 0.5.17 (no weight-update session). SessionEngine: 0.5.21+ (begin/end_weight_update, and updates outside a
+session fail). FailingEngine: every weight update reports (False, "boom")."""
+import json
+import os
+from collections import namedtuple
+
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+# ServerArgs fields (both versions); a name outside them is a TypeError, as for the real dataclass.
+SERVER_ARGS = {"model_path", "load_format", "skip_tokenizer_init", "tp_size", "dp_size", "base_gpu_id",
+               "gpu_id_step", "nccl_port", "dist_init_addr", "port", "enable_memory_saver",
+               "enable_weights_cpu_backup", "mem_fraction_static", "random_seed", "attention_backend",
+               "sampling_backend", "log_level", "disable_cuda_graph", "context_length", "dtype",
+               "enable_deterministic_inference", "custom_sigquit_handler"}
+SAMPLING_PARAMS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+                   "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+                   "ignore_eos", "skip_special_tokens", "no_stop_trim", "logit_bias", "sampling_seed"}
+MEMORY_TAGS = ["kv_cache", "weights", "cuda_graph"]
+FlushCacheReqOutput = namedtuple("FlushCacheReqOutput", "success message")
+
+
+class Engine:
+    def __init__(self, **kwargs):
+        unknown = set(kwargs) - SERVER_ARGS
+        if unknown:
+            raise TypeError(f"unexpected ServerArgs {sorted(unknown)}")
+        self.kwargs = kwargs
+        with open(os.path.join(kwargs["model_path"], "config.json")) as f:
+            self.model_config = json.load(f)  # the architecture comes from disk, as load_format="dummy" needs
+        self.tp_size = kwargs.get("tp_size", 1)
+        self.weights = [{} for _ in range(self.tp_size)]  # what each TP rank's scheduler loaded: name -> tensor
+        self.offload_tags = set()
+        self.calls = []
+
+    def generate(self, input_ids=None, sampling_params=None, return_logprob=False, **unused):
+        """Prompt i: i % 3 == 0 stops after two tokens; 1 runs to max_new_tokens; 2 samples a stop token exactly at
+        the limit, which 0.5.17 reports as finish_reason "length"."""
+        assert not self.offload_tags, f"generate with released memory {self.offload_tags}: garbage or a crash"
+        assert all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in input_ids)
+        unknown = set(sampling_params) - SAMPLING_PARAMS
+        if unknown:
+            raise TypeError(f"SamplingParams has no {sorted(unknown)}")
+        self.calls.append(("generate", len(input_ids), dict(sampling_params)))
+        limit, stop = sampling_params.get("max_new_tokens", 128), sorted(sampling_params["stop_token_ids"])
+        outputs = []
+        for i in range(len(input_ids)):
+            body = [1000 + 10 * i + j for j in range({0: min(2, limit - 1), 1: limit, 2: limit - 1}[i % 3])]
+            ids = body if i % 3 == 1 else body + [stop[0]]
+            assert not set(body) & set(stop)
+            finish = ({"type": "stop", "matched": stop[0]} if i % 3 == 0 else {"type": "length", "length": limit})
+            meta = {"id": str(i), "finish_reason": finish, "prompt_tokens": len(input_ids[i]),
+                    "completion_tokens": len(ids)}
+            if return_logprob:
+                meta["output_token_logprobs"] = [(-0.01 * (i + 1) - 0.001 * j, t, None) for j, t in enumerate(ids)]
+            outputs.append({"output_ids": ids, "meta_info": meta})
+        return outputs
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.calls.append(("update", len(named_tensors), load_format, flush_cache))
+        assert "weights" not in self.offload_tags, "weights pushed into released memory are lost"
+        assert load_format == "flattened_bucket"
+        assert len({id(p) for p in named_tensors}) == len(named_tensors), "one serialize() call per TP rank"
+        for r in range(self.tp_size):  # TP rank r deserializes only entry r; a short list is an IndexError
+            payload = MultiprocessingSerializer.deserialize(named_tensors[r])
+            bucket = FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"], metadata=payload["metadata"])
+            for name, tensor in bucket.reconstruct_tensors():
+                self.weights[r][name] = tensor.clone()
+        if flush_cache:
+            self.flush_cache()
+        return True, "Success"
+
+    def flush_cache(self):
+        self.calls.append(("flush_cache",))
+        return FlushCacheReqOutput(True, "")
+
+    def release_memory_occupation(self, tags=None):
+        self.calls.append(("release", list(tags or MEMORY_TAGS)))
+        self.offload_tags.update(tags or MEMORY_TAGS)
+
+    def resume_memory_occupation(self, tags=None):
+        self.calls.append(("resume", list(tags or MEMORY_TAGS)))
+        for tag in tags or MEMORY_TAGS:
+            self.offload_tags.remove(tag)  # KeyError for a tag that was not released: the scheduler dies
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+class SessionEngine(Engine):
+    session = False
+
+    def begin_weight_update(self, selector="all"):
+        self.calls.append(("begin",))
+        if self.session:
+            return False, "a weight-update session is already open"
+        self.session = True
+        return True, "Success"
+
+    def end_weight_update(self):
+        self.calls.append(("end",))
+        if not self.session:
+            return False, "no weight-update session is open"
+        self.session = False
+        return True, "Success"
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        if not self.session:
+            self.calls.append(("update", len(named_tensors), load_format, flush_cache))
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        return super().update_weights_from_tensor(named_tensors, load_format, flush_cache)
+
+
+class FailingEngine(Engine):
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.calls.append(("update", len(named_tensors), load_format, flush_cache))
+        return False, "boom"

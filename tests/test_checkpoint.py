@@ -1,0 +1,130 @@
+"""Checkpoints and resume through torchrun: k steps + resume + k steps equals 2k steps exactly, a kill at any
+moment leaves a loadable checkpoint, and the HF folder loads with from_pretrained and holds the trained weights."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from test_train import ROOT, metrics, torchrun
+
+FLAGS = ("--preset", "cpu", "--eval_every", "3", "--eval_prompts", "4")
+TIMING = ("time_", "tokens_per_s")
+
+
+def logged(out_dir):
+    """The metrics of each step without the timings, which no two runs share."""
+    return [{k: v for k, v in row.items() if not k.startswith(TIMING)} for row in metrics(out_dir)]
+
+
+def hf_weights(out_dir, step):
+    return load_file(os.path.join(out_dir, "checkpoints", f"step_{step:06d}", "hf", "model.safetensors"))
+
+
+def test_k_steps_resume_k_steps_equals_2k_steps(tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert torchrun(2, *FLAGS, "--steps", "6", "--out_dir", str(straight)).returncode == 0
+    first = torchrun(2, *FLAGS, "--steps", "3", "--out_dir", str(split))
+    assert first.returncode == 0, first.stderr[-3000:]
+    # A save that died half-way (a .tmp folder) must be ignored by --resume auto.
+    os.makedirs(split / "checkpoints" / "step_000005.tmp" / "dcp")
+    (split / "checkpoints" / "step_000005.tmp" / "dcp" / "__0_0.distcp").write_bytes(b"\0" * 10)
+    second = torchrun(2, *FLAGS, "--steps", "6", "--resume", "auto", "--out_dir", str(split))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "step_000003 at step 3" in second.stdout
+    assert logged(split) == logged(straight)  # same rewards, losses, grad norms, eval, step by step
+    a, b = hf_weights(straight, 6), hf_weights(split, 6)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(os.listdir(split / "checkpoints")) == ["step_000003", "step_000005.tmp", "step_000006"]
+
+
+def test_hf_folder_loads_with_from_pretrained_and_holds_the_trained_weights(tmp_path):
+    run = torchrun(2, "--preset", "cpu", "--steps", "2", "--eval_every", "0", "--out_dir", str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    checkpoint = tmp_path / "checkpoints" / "step_000002"
+    model = AutoModelForCausalLM.from_pretrained(checkpoint / "hf")
+    # The tiny model's character tokenizer: AutoTokenizer would pick Qwen2's class from config.json instead.
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint / "hf")
+    assert tokenizer("Say a:").input_ids == [tokenizer.convert_tokens_to_ids(c) for c in "Say a:"]
+    # The distributed checkpoint, converted by torch's own tool, is an independent copy of the trained weights.
+    dcp_to_torch_save(checkpoint / "dcp", tmp_path / "full.pt")
+    trained = torch.load(tmp_path / "full.pt", weights_only=False)["model"]
+    for name, param in model.state_dict().items():
+        assert torch.equal(param, trained[name]), name
+    initial = AutoModelForCausalLM.from_config(model.config)  # and they did move away from the start
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, initial.model.layers[0].mlp.up_proj.weight)
+
+
+def kill_tree(pid):
+    """SIGKILL a process and all its descendants at once, as a node failure or an OOM killer would: torchrun
+    starts its workers in sessions of their own, so killing its process group is not enough."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_kill_at_a_random_moment_loses_at_most_the_steps_since_the_last_checkpoint(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--preset", "cpu", "--steps", "200", "--save_every", "1", "--eval_every", "0", "--out_dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not os.path.exists(tmp_path / "checkpoints" / "step_000004"):
+            time.sleep(0.05)
+        time.sleep(0.37)  # somewhere inside a later step or save
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()
+    saved = [n for n in os.listdir(tmp_path / "checkpoints") if not n.endswith(".tmp")]
+    last = max(int(n.split("_")[1]) for n in saved)
+    logged_steps = len(metrics(tmp_path))
+    assert last >= 4 and logged_steps - last <= 1  # a kill loses at most the step in flight
+    resumed = torchrun(2, "--preset", "cpu", "--steps", str(last + 2), "--eval_every", "0", "--resume", "auto",
+                       "--out_dir", str(tmp_path))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {last}" in resumed.stdout
+    assert [row["step"] for row in metrics(tmp_path)] == list(range(1, last + 3))
+
+
+def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--preset", "cpu", "--steps", "500", "--eval_every", "0", "--out_dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 3/500"):
+            proc.send_signal(signal.SIGTERM)  # what a scheduler sends before preempting the job
+            break
+    out = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert "SIGTERM: finishing this step, then saving a checkpoint" in out
+    stopped = [line for line in out.splitlines() if line.startswith("stopped after step")]
+    assert len(stopped) == 1 and "--resume auto" in stopped[0], out[-3000:]
+    step = int(stopped[0].split()[3].rstrip(":"))
+    assert os.path.isdir(tmp_path / "checkpoints" / f"step_{step:06d}" / "hf")
+    assert [row["step"] for row in metrics(tmp_path)] == list(range(1, step + 1))
+    with open(tmp_path / "checkpoints" / f"step_{step:06d}" / "trainer_state.json") as f:
+        assert json.load(f)["step"] == step

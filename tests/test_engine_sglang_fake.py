@@ -1,0 +1,201 @@
+"""SGLangEngine against a fake `sglang` package (tests/fake_sglang): SGLang cannot run on a CPU, so only SGLang is
+replaced and the trainer's code runs unchanged. The fake follows the 0.5.17 / 0.5.23 API of .notes/sglang_api.md:
+start-up arguments, weight pushes as flattened bf16 buckets (one serialized payload per engine TP rank), the 0.5.21+
+weight-update session, memory release / resume bookkeeping, and the output format of generate."""
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+import train
+from test_parallel import tiny_config
+from workers import run_ranks
+
+FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_sglang")
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+@pytest.fixture
+def sglang(monkeypatch, tmp_path):
+    """The fake sglang first on sys.path; the environment, the working folder and the module cache restored after."""
+    monkeypatch.syspath_prepend(FAKE)
+    saved = os.environ.get(AGENT_STORE)  # SGLangEngine sets it to "False"; put back as it was below
+    monkeypatch.chdir(tmp_path)  # the engine's config folder lands under the default out_dir, here
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)  # CPU torch has no CUDA IPC to collect
+    import sglang
+    yield sglang
+    os.environ.pop(AGENT_STORE, None) if saved is None else os.environ.update({AGENT_STORE: saved})
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        del sys.modules[name]
+
+
+def start(sglang, kind="Engine", tp=1, **cfg):
+    """An SGLangEngine whose sglang.Engine is the fake of the given kind; returns it and the fake."""
+    sglang.Engine = getattr(sglang, kind)  # the fixture drops the module afterwards
+    engine = train.SGLangEngine(train.Config(**cfg), tiny_config("qwen2", True), tp=tp, base_gpu_id=0)
+    return engine, engine.engine
+
+
+def test_engine_starts_with_the_arguments_the_design_needs(sglang, tmp_path, monkeypatch):
+    from sglang.srt.utils import patch_torch
+    monkeypatch.setenv(AGENT_STORE, "True")  # as torchrun sets it
+    config = tiny_config("qwen3", False)
+    cfg = train.Config(engine_port=31000, mem_fraction=0.3, seed=7, out_dir=str(tmp_path / "out"))
+    fake = train.SGLangEngine(cfg, config, tp=2, base_gpu_id=4).engine
+    kw = fake.kwargs
+    assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] is True and kw["dtype"] == "bfloat16"
+    assert (kw["tp_size"], kw["dp_size"], kw["base_gpu_id"]) == (2, 1, 4)
+    assert kw["nccl_port"] == 31004  # engine_port + base_gpu_id: distinct for each TP group of a node
+    assert kw["enable_memory_saver"] is True and kw["mem_fraction_static"] == 0.3
+    assert os.environ[AGENT_STORE] == "False"  # or the engine's schedulers hang at start under torchrun
+    assert patch_torch.calls == 1
+    # The architecture reaches the engine through config.json in model_path (load_format="dummy").
+    assert os.path.dirname(kw["model_path"]) == cfg.out_dir
+    written = fake.model_config
+    assert written["model_type"] == "qwen3"
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "tie_word_embeddings"):
+        assert written[field] == getattr(config, field), field
+
+
+def test_engine_config_names_the_model_class(sglang):
+    for family, arch in (("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")):
+        fake = train.SGLangEngine(train.Config(), tiny_config(family, True), tp=1, base_gpu_id=0).engine
+        assert fake.model_config.get("architectures") == [arch]
+
+
+# ----------------------------------------------------------------------------- weight pushes
+def push_config():
+    """Big enough (~1.7 MB of bf16) that 1 MB buckets hold several tensors and a push takes two buckets."""
+    return Qwen3Config(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+                       tie_word_embeddings=False)
+
+
+def expected_buckets(sizes, bound):
+    """How many buckets a greedy planner closing each bucket once it holds >= bound bytes makes."""
+    count, held = 0, 0
+    for size in sizes:
+        held += size
+        if held >= bound:
+            count, held = count + 1, 0
+    return count + (held > 0)
+
+
+def push_through_fake(rank, world, dp, tp, kind):
+    import sglang
+    sglang.Engine = getattr(sglang, kind)
+    os.environ["LOCAL_RANK"] = str(rank)
+    config = push_config()
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config)
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = train.build_model(config, mesh, torch.device("cpu"), state if rank == 0 else {})
+    engine = train.create_engine(train.Config(engine="sglang", tp=tp), config, mesh, torch.device("cpu"), 0)
+    train.push_weights(model, engine, bucket_mb=1)
+    if engine is None:
+        return None
+    fake = engine.engine
+    want = {n: p.detach().to(torch.bfloat16) for n, p in reference.named_parameters()}
+    return {"calls": fake.calls, "port": fake.kwargs["nccl_port"], "gpu": fake.kwargs["base_gpu_id"],
+            "names": [sorted(w) for w in fake.weights], "want_names": sorted(want),
+            "exact": [all(torch.equal(w[n], t) for n, t in want.items()) for w in fake.weights],
+            "dtypes": sorted({str(t.dtype) for w in fake.weights for t in w.values()}),
+            "buckets": expected_buckets([t.numel() * 2 for t in want.values()], 1 << 20)}
+
+
+@pytest.mark.parametrize("kind", ["Engine", "SessionEngine"])  # 0.5.17, and 0.5.21+ with begin/end_weight_update
+@pytest.mark.parametrize("dp,tp", [(1, 1), (1, 2), (2, 1)])
+def test_push_delivers_every_weight_exactly_to_every_engine_tp_rank(sglang, kind, dp, tp):
+    results = run_ranks(push_through_fake, dp * tp, dp, tp, kind)
+    owners = [r for r in results if r is not None]
+    assert len(owners) == dp  # one engine per TP group, on the group's first rank
+    assert sorted(r["port"] for r in owners) == sorted(30000 + r["gpu"] for r in owners)
+    assert [r["gpu"] for r in owners] == [g * tp for g in range(dp)]  # base_gpu_id: the group's first local rank
+    for r in owners:
+        assert r["buckets"] >= 2
+        assert r["names"] == [r["want_names"]] * tp and all(r["exact"]) and r["dtypes"] == ["torch.bfloat16"]
+        calls = r["calls"]
+        kinds = [c[0] for c in calls]
+        updates = [i for i, k in enumerate(kinds) if k == "update"]
+        assert [calls[i] for i in updates] == [("update", tp, "flattened_bucket", False)] * r["buckets"]
+        assert kinds.count("flush_cache") == 1 and kinds.index("flush_cache") > updates[-1]
+        assert "resume" not in kinds and "release" not in kinds
+        if kind == "SessionEngine":
+            assert kinds.count("begin") == kinds.count("end") == 1
+            assert kinds.index("begin") < updates[0] and kinds.index("end") > updates[-1]
+
+
+def buckets_of(n):
+    return [[(f"w{i}", torch.full((2, 3), float(i), dtype=torch.bfloat16))] for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["Engine", "SessionEngine"])
+def test_released_memory_is_resumed_weights_first_then_kv_cache_after_the_flush(sglang, kind):
+    engine, fake = start(sglang, kind)
+    for _ in range(2):  # two training steps
+        engine.release_memory()
+        engine.update_weights(iter(buckets_of(3)))  # push_weights hands over a generator
+        kinds = [c[0] for c in fake.calls]
+        updates = [i for i, k in enumerate(kinds) if k == "update"]
+        assert fake.calls[0] == ("release", ["kv_cache", "weights"])
+        resumes = [(i, c[1]) for i, c in enumerate(fake.calls) if c[0] == "resume"]
+        assert [tags for _, tags in resumes] == [["weights"], ["kv_cache"]]
+        assert resumes[0][0] < updates[0] and resumes[1][0] > kinds.index("flush_cache") > updates[-1]
+        assert not fake.offload_tags
+        engine.generate([[5, 6]], 1.0, 1.0, 4, [3], seed=0)  # the fake refuses to generate from released memory
+        fake.calls.clear()
+
+
+def test_without_a_release_nothing_is_resumed(sglang):
+    engine, fake = start(sglang)
+    engine.update_weights(buckets_of(2))
+    engine.update_weights(buckets_of(2))  # the fake raises KeyError, as sglang does, on resuming a resident tag
+    assert [c[0] for c in fake.calls] == ["update", "update", "flush_cache"] * 2
+    assert fake.weights[0]["w1"].tolist() == [[1.0] * 3] * 2
+
+
+def test_a_failed_weight_update_raises_with_sglangs_message(sglang):
+    engine, fake = start(sglang, "FailingEngine")
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.update_weights(buckets_of(2))
+
+
+# ----------------------------------------------------------------------------- generate
+def test_generate_keeps_ids_exactly_and_decides_finish_from_the_last_token(sglang):
+    engine, fake = start(sglang, "SessionEngine")
+    prompts, stop, limit = [[5, 6, 7], [8, 9], [10, 11, 12], [13]], [3, 4], 6
+    samples = engine.generate(prompts, 0.7, 0.9, limit, stop, seed=1)
+    [(_, n, params)] = fake.calls
+    assert n == len(prompts)
+    assert params == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": limit, "stop_token_ids": stop}
+    raw = fake.generate(input_ids=prompts, sampling_params=params, return_logprob=True)  # deterministic
+    for i, (s, o) in enumerate(zip(samples, raw)):
+        assert s["ids"] == o["output_ids"]  # the stop token stays in
+        assert s["logprobs"] == [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
+        assert set(s) == {"ids", "finish", "logprobs"}
+    assert [s["finish"] for s in samples] == ["stop", "length", "stop", "stop"]
+    # Prompt 2 sampled its stop token exactly at the limit: 0.5.17 says "length", the last token says "stop".
+    assert raw[2]["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(samples[2]["ids"]) == limit and samples[2]["ids"][-1] in stop
+    assert len(samples[1]["ids"]) == limit and samples[1]["ids"][-1] not in stop
+
+
+# ----------------------------------------------------------------------------- config
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
+def test_sglang_engine_without_sglang_says_how_to_install_it():
+    with pytest.raises(SystemExit) as error:
+        train.check_config(train.Config(engine="sglang"), 1)
+    assert "pip install -r requirements.txt" in str(error.value) and "--engine hf" in str(error.value)
+
+
+def test_sglang_engine_without_a_gpu_says_to_use_the_hf_engine(sglang):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit, match="--engine hf"):
+        train.check_config(train.Config(engine="sglang"), 1)
