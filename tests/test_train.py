@@ -35,8 +35,14 @@ def test_cpu_preset_learns_the_toy_reward(tmp_path):
     # Engine and trainer hold the same weights after every push: their logprobs agree on every step.
     assert max(r["mismatch_abs"] for r in rows) < 1e-4
     for key in ("accuracy", "response_len", "truncated", "clip_frac", "grad_norm", "lr", "tokens_per_s",
-                "time_generate", "time_reward", "time_logprobs", "time_train", "time_push"):
+                "time_generate", "time_reward", "time_logprobs", "time_train", "time_push", "reward_errors"):
         assert all(key in r for r in rows), key
+    # Held-out evaluation every 10 steps on 16 prompts. The trained model says only "a": every answer is right.
+    evals = [r for r in rows if "eval_greedy_acc" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30] and all(r["eval_prompts"] == 16 for r in evals)
+    assert all(r["eval_mean@4"] <= r["eval_pass@4"] for r in evals)
+    assert evals[-1]["eval_greedy_acc"] == evals[-1]["eval_mean@4"] == evals[-1]["eval_pass@4"] == 1.0
+    assert evals[0]["eval_mean@4"] < 0.5  # at step 10 sampling still strays: mean@4 is not yet 1
 
 
 def test_tensor_parallel_run_with_reference_model_logged_to_offline_wandb(tmp_path):
