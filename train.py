@@ -51,8 +51,7 @@ class Config:
     # model and task
     model: str = "Qwen/Qwen2.5-3B-Instruct"  # hub id or local folder; "tiny": random tiny Qwen2 + character tokenizer
     task: str = "countdown"  # countdown | gsm8k | toy
-    data_path: str = "openai/gsm8k"  # gsm8k: hub id (splits train / test), or a local .json / .jsonl / .parquet file
-    test_data_path: str = ""  # gsm8k from a local file: the held-out file
+    data_path: str = "openai/gsm8k"  # gsm8k: hub id, or a local folder of train.* and test.* (jsonl / parquet)
     train_size: int = 20000  # countdown / toy: problems generated for training
     test_size: int = 500  # countdown / toy: held-out problems, disjoint from training
     preset: str = ""  # "cpu": tiny model, toy task, small batches; flags given explicitly still win
@@ -194,13 +193,8 @@ def load_rows(cfg, split):
     if cfg.task == "toy":
         return [{"target": "a"}] * (cfg.test_size if split == "test" else cfg.train_size)
     import datasets
-    if not os.path.isfile(cfg.data_path):
-        return list(datasets.load_dataset(cfg.data_path, "main", split=split))
-    path = cfg.data_path if split == "train" else cfg.test_data_path
-    if not path:
-        raise SystemExit("--data_path is a local file: give the held-out rows with --test_data_path")
-    kind = "parquet" if path.endswith(".parquet") else "json"
-    return list(datasets.load_dataset(kind, data_files=path, split="train"))
+    local = os.path.isdir(cfg.data_path)  # datasets reads the splits from the file names
+    return list(datasets.load_dataset(cfg.data_path, None if local else "main", split=split))
 
 
 class PromptDataset(torch.utils.data.Dataset):
@@ -356,9 +350,9 @@ def build_model(model_config, mesh, device, state_dict, activation_checkpointing
 # ----------------------------------------------------------------------------- engine
 class HFEngine:
     """Rollouts with HF generate on an unsharded copy of the policy, refreshed after every step. The interface
-    SGLangEngine shares: generate() returns per sample "ids" (sampled ids, stop token included), "finish" ("stop"
-    | "length") and the engine's "logprobs" (log_softmax(logits / T) of each sampled token); update_weights()
-    takes buckets of (HF name, full tensor in engine.dtype); shutdown()."""
+    SGLangEngine shares: generate() returns per sample "ids" (sampled ids, stop token included) and the engine's
+    "logprobs" (log_softmax(logits / T) of each sampled token); update_weights() takes buckets of (HF name, full
+    tensor in engine.dtype); shutdown()."""
     dtype = torch.float32
 
     def __init__(self, model_config, device, pad_id):
@@ -390,8 +384,7 @@ class HFEngine:
         samples = []
         for seq, lp in zip(out.sequences[:, width:].tolist(), logprobs):
             end = next((t + 1 for t, tok in enumerate(seq) if tok in stop_ids), len(seq))  # generate pads after
-            samples.append({"ids": seq[:end], "finish": "stop" if seq[end - 1] in stop_ids else "length",
-                            "logprobs": lp[torch.arange(end), seq[:end]].tolist()})
+            samples.append({"ids": seq[:end], "logprobs": lp[torch.arange(end), seq[:end]].tolist()})
         return samples
 
     def shutdown(self):
@@ -425,9 +418,7 @@ class SGLangEngine:
         # SGLang samples from its schedulers' RNG, seeded once with --seed; `seed` only steers the hf engine.
         params = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
         outputs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-        # finish comes from the last token: versions disagree on "length" vs "stop" for a stop token at the limit.
-        return [{"ids": o["output_ids"], "finish": "stop" if o["output_ids"][-1:] in ([t] for t in stop_ids)
-                 else "length", "logprobs": [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]}
+        return [{"ids": o["output_ids"], "logprobs": [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]}
                 for o in outputs]
 
     def release_memory(self):
@@ -511,14 +502,14 @@ def generate_rollouts(engine, tokenizer, rows, cfg, seed, tp_group, n=None, temp
     prompts = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
     repeated = [p for p in prompts for _ in range(n or cfg.group_size)]
     temperature = cfg.temperature if temperature is None else temperature
-    samples = [None]
+    stop_ids, samples = stop_token_ids(tokenizer), [None]
     if engine is not None:
-        samples = [engine.generate(repeated, temperature, cfg.top_p, cfg.max_new_tokens,
-                                   stop_token_ids(tokenizer), seed)]
+        samples = [engine.generate(repeated, temperature, cfg.top_p, cfg.max_new_tokens, stop_ids, seed)]
     if dist.get_world_size(tp_group) > 1:
         dist.broadcast_object_list(samples, src=dist.get_global_rank(tp_group, 0), group=tp_group)
     for prompt, sample in zip(repeated, samples[0]):
-        sample["prompt_ids"] = prompt
+        # Finish from the last token, the same for every engine (SGLang versions disagree on a stop at the limit).
+        sample.update(prompt_ids=prompt, finish="stop" if sample["ids"][-1:] in ([t] for t in stop_ids) else "length")
     return samples[0]
 
 

@@ -138,27 +138,27 @@ def check_gsm8k_item(item):
     assert reward.reward_fn("So the farm has \\boxed{1235} hens.", item) == 0.0
 
 
-def test_gsm8k_jsonl_file_gives_question_prompt_and_answer_after_hashes(tmp_path, datasets_cache):
-    path = tmp_path / "gsm8k.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in GSM8K_ROWS))
-    dataset = train.PromptDataset(train.Config(task="gsm8k", data_path=str(path), prompts_per_step=1), "train")
+def test_gsm8k_from_a_local_folder_of_jsonl_splits(tmp_path, datasets_cache):
+    folder = tmp_path / "gsm8k"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in GSM8K_ROWS))
+    (folder / "test.jsonl").write_text(json.dumps(GSM8K_ROWS[1]) + "\n")
+    cfg = train.Config(task="gsm8k", data_path=str(folder), prompts_per_step=1)
+    dataset = train.PromptDataset(cfg, "train")
     assert len(dataset) == 2
     check_gsm8k_item(dataset[0])
     assert dataset[1]["answer"] == "2"
-    held_out = tmp_path / "test.jsonl"
-    held_out.write_text(json.dumps(GSM8K_ROWS[1]) + "\n")
-    cfg = train.Config(task="gsm8k", data_path=str(path), test_data_path=str(held_out), prompts_per_step=1)
     assert [row["answer"] for row in train.PromptDataset(cfg, "test")] == ["2"]
-    with pytest.raises(SystemExit, match="--test_data_path"):
-        train.load_rows(train.Config(task="gsm8k", data_path=str(path), prompts_per_step=1), "test")
 
 
-def test_gsm8k_parquet_file_gives_question_prompt_and_answer_after_hashes(tmp_path, datasets_cache):
+def test_gsm8k_from_a_local_folder_of_parquet_splits(tmp_path, datasets_cache):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
-    path = tmp_path / "gsm8k.parquet"
-    pq.write_table(pa.Table.from_pylist(GSM8K_ROWS), path)
-    dataset = train.PromptDataset(train.Config(task="gsm8k", data_path=str(path), prompts_per_step=1), "train")
+    folder = tmp_path / "gsm8k"
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist(GSM8K_ROWS), folder / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(GSM8K_ROWS[1:]), folder / "test.parquet")
+    dataset = train.PromptDataset(train.Config(task="gsm8k", data_path=str(folder), prompts_per_step=1), "train")
     assert len(dataset) == 2
     check_gsm8k_item(dataset[0])
 
@@ -309,9 +309,8 @@ def test_a_split_with_fewer_rows_than_prompts_per_step_names_the_flag():
 
 
 def test_an_item_without_a_reward_field_names_getitem_to_edit(tmp_path, datasets_cache):
-    path = tmp_path / "rows.jsonl"
-    path.write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
-    cfg = train.Config(task="gsm8k", data_path=str(path), prompts_per_step=1)
+    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    cfg = train.Config(task="gsm8k", data_path=str(tmp_path), prompts_per_step=1)
 
     class NoAnswer(train.PromptDataset):
         def __getitem__(self, i):
