@@ -15,6 +15,7 @@ Departures from the GRPO paper (DeepSeekMath): the loss is a token-level mean ov
 batch (DAPO) unless --loss_agg sequence; the clip range may be asymmetric (clip-higher, DAPO); the KL term (k3) is
 off by default (--beta 0); logprobs are those of logits / temperature, the distribution the engine samples from.
 """
+import datetime
 import importlib.util
 import json
 import math
@@ -31,7 +32,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 
+import tokenizers
 import torch
+from safetensors.torch import save_file
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
@@ -41,6 +44,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser,
+                          PreTrainedTokenizerFast, Qwen2Config)
 
 import reward
 
@@ -112,7 +117,6 @@ PRESETS = {
 
 
 def parse_config(argv=None):
-    from transformers import HfArgumentParser
     parser = HfArgumentParser(Config, allow_abbrev=False)
     preset = parser.parse_known_args(argv)[0].preset
     if preset:
@@ -129,19 +133,17 @@ def check_config(cfg, world):
     """Catch bad flags before any model is loaded; each message names the flag to change."""
     choices = dict(task=("countdown", "gsm8k", "toy"), engine=("sglang", "hf"), loss_agg=("token", "sequence"),
                    lr_schedule=("constant", "cosine"))
-    for flag in ("tp", "prompts_per_step", "num_minibatches", "micro_batch_size", "max_new_tokens", "logprob_chunk"):
-        if getattr(cfg, flag) < 1:
-            raise SystemExit(f"--{flag} must be at least 1, not {getattr(cfg, flag)}")
-    for flag, allowed in choices.items():
-        if getattr(cfg, flag) not in allowed:
-            raise SystemExit(f"--{flag} {getattr(cfg, flag)!r}: choose one of {allowed}")
-    dp = world // cfg.tp
+    positive = ("tp", "prompts_per_step", "num_minibatches", "micro_batch_size", "max_new_tokens", "logprob_chunk")
+    problems = [(getattr(cfg, f) < 1, f"--{f} must be at least 1, not {getattr(cfg, f)}") for f in positive]
+    problems += [(getattr(cfg, f) not in allowed, f"--{f} {getattr(cfg, f)!r}: choose one of {allowed}")
+                 for f, allowed in choices.items()]
+    dp = world // max(cfg.tp, 1)
     samples = cfg.prompts_per_step // max(dp, 1) * cfg.group_size
     sglang = cfg.engine == "sglang"
-    problems = [
-        (world % cfg.tp, f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}"),
+    problems += [
+        (world % max(cfg.tp, 1), f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}"),
         (cfg.prompts_per_step % max(dp, 1), f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp}"),
-        (samples % cfg.num_minibatches, f"--num_minibatches {cfg.num_minibatches} must divide the {samples} "
+        (samples % max(cfg.num_minibatches, 1), f"--num_minibatches {cfg.num_minibatches} must divide the {samples} "
                                         "samples per rank (prompts_per_step / dp * group_size)"),
         (cfg.group_size < 2, "--group_size must be at least 2: advantages compare samples of one prompt"),
         (sglang and importlib.util.find_spec("sglang") is None,
@@ -232,8 +234,6 @@ class PromptDataset(torch.utils.data.Dataset):
 
 def char_tokenizer():
     """A character-level tokenizer with Qwen's special tokens, for the tiny CPU model: nothing to download."""
-    import tokenizers
-    from transformers import PreTrainedTokenizerFast
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = {token: i for i, token in enumerate(specials + sorted(set(string.printable)))}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<|endoftext|>"))
@@ -246,11 +246,7 @@ def char_tokenizer():
 def load_tokenizer(cfg):
     if cfg.model == "tiny":
         return char_tokenizer()
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    if tokenizer.pad_token is None:  # padding is masked out; any id will do
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return AutoTokenizer.from_pretrained(cfg.model)  # Qwen tokenizers define pad_token
 
 
 def encode_prompt(tokenizer, prompt):
@@ -287,13 +283,15 @@ def init_distributed(cfg):
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world, device_id=device if cuda else None)
+    if cuda:  # gloo for object collectives and barriers: no NCCL kernel spins while the engine generates
+        torch.cuda.set_device(device)
+    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(hours=1))  # the first push waits for the engine's start
     check_config(cfg, world)
     return rank, device, init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
 
 
 def tiny_model_config(vocab_size):
-    from transformers import Qwen2Config
     return Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                        tie_word_embeddings=True)
@@ -325,7 +323,6 @@ def parallelize(model, mesh, activation_checkpointing):
 
 def full_state_dict(cfg, model_config):
     """Full fp32 weights, read on rank 0 only: the other ranks receive their shards from it."""
-    from transformers import AutoModelForCausalLM
     if cfg.model == "tiny":
         torch.manual_seed(cfg.seed)
         return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).state_dict()
@@ -334,7 +331,6 @@ def full_state_dict(cfg, model_config):
 
 def build_model(model_config, mesh, device, state_dict, activation_checkpointing=False):
     """Build on the meta device, shard, then load: no rank ever holds a full copy it does not need."""
-    from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
     parallelize(model, mesh, activation_checkpointing)
@@ -356,7 +352,6 @@ class HFEngine:
     dtype = torch.float32
 
     def __init__(self, model_config, device, pad_id):
-        from transformers import AutoModelForCausalLM, GenerationConfig
         with torch.device(device):
             self.model = AutoModelForCausalLM.from_config(model_config, dtype=self.dtype).eval()
         self.model.generation_config = GenerationConfig()  # no sampling defaults (top_k=50) sneak in
@@ -407,11 +402,18 @@ class SGLangEngine:
             model_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_config.model_type]]
         config_dir = os.path.join(cfg.out_dir, f"engine_model_rank{rank}")  # read from disk by SGLang
         model_config.save_pretrained(config_dir)
+        # The engine's processes inherit ignored SIGINT / SIGTERM: the job's signals (torchrun signals process
+        # groups) are for the trainer, which finishes its step and then shuts the engine down.
+        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
         self.engine = sglang.Engine(
             model_path=config_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", tp_size=tp,
             dp_size=1, base_gpu_id=base_gpu_id, nccl_port=cfg.engine_port + base_gpu_id,
             random_seed=cfg.seed * 1000 + rank,
             enable_memory_saver=True, mem_fraction_static=cfg.mem_fraction, log_level="error")
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        # The first request starts SGLang's event loop, which installs its own SIGTERM handler: the trainer's wins.
+        self.engine.generate(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
         self.tp, self.released = tp, False
 
     def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):
@@ -471,10 +473,17 @@ def create_engine(cfg, model_config, mesh, device, pad_id):
     return SGLangEngine(cfg, model_config, cfg.tp, int(os.environ.get("LOCAL_RANK", 0)), dist.get_rank())
 
 
-def weight_buckets(model, bucket_bytes, dtype):
-    """Full tensors with HF names, in buckets of about bucket_bytes: one parameter is gathered at a time, so
-    extra memory stays near one bucket plus one full fp32 tensor. Every rank must run this to the end (each
-    full_tensor() is a collective), and all see the same names in the same order."""
+def free_gpu_cache(group):
+    """Give the caching allocator's memory back and wait for the group: SGLang, on the same GPUs, re-takes its own."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        dist.barrier(group=group)
+
+
+def weight_buckets(model, bucket_bytes, dtype, tp_group):
+    """Full tensors with HF names, in buckets of about bucket_bytes: one parameter is gathered at a time, so extra
+    memory stays near one bucket plus one full fp32 tensor. Every rank runs this to the end (each full_tensor() is
+    a collective, and the group frees its cache at the end, before the engine's KV cache comes back)."""
     bucket, size = [], 0
     for name, param in model.named_parameters():
         full = (param.full_tensor() if isinstance(param, DTensor) else param).detach().to(dtype)
@@ -485,11 +494,13 @@ def weight_buckets(model, bucket_bytes, dtype):
             bucket, size = [], 0
     if bucket:
         yield bucket
+    free_gpu_cache(tp_group)
 
 
-def push_weights(model, engine, bucket_mb):
+def push_weights(model, engine, bucket_mb, tp_group):
     """The new weights into the engine; ranks without an engine still join every gather."""
-    buckets = weight_buckets(model, bucket_mb << 20, engine.dtype if engine else torch.float32)
+    free_gpu_cache(tp_group)  # before the engine's weights come back
+    buckets = weight_buckets(model, bucket_mb << 20, engine.dtype if engine else torch.float32, tp_group)
     if engine is None:
         for _ in buckets:
             pass
@@ -497,11 +508,10 @@ def push_weights(model, engine, bucket_mb):
         engine.update_weights(buckets)
 
 
-def generate_rollouts(engine, tokenizer, rows, cfg, seed, tp_group, n=None, temperature=None):
-    """n (default G) samples per prompt, grouped by prompt: the tp group's first rank generates, the rest receive."""
+def generate_rollouts(engine, tokenizer, rows, cfg, seed, tp_group, n, temperature):
+    """n samples per prompt, grouped by prompt: the tp group's first rank generates, the others receive."""
     prompts = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
-    repeated = [p for p in prompts for _ in range(n or cfg.group_size)]
-    temperature = cfg.temperature if temperature is None else temperature
+    repeated = [p for p in prompts for _ in range(n)]
     stop_ids, samples = stop_token_ids(tokenizer), [None]
     if engine is not None:
         samples = [engine.generate(repeated, temperature, cfg.top_p, cfg.max_new_tokens, stop_ids, seed)]
@@ -521,7 +531,7 @@ def raise_timeout(signum, frame):
 def reward_or_error(completion, sample, timeout):
     """In a reward worker: (score, None), or (0.0, traceback) when reward_fn raises or runs past `timeout`."""
     signal.signal(signal.SIGALRM, raise_timeout)
-    signal.setitimer(signal.ITIMER_REAL, timeout)
+    signal.setitimer(signal.ITIMER_REAL, timeout, 1.0)  # repeats if reward_fn swallows the TimeoutError
     try:
         return float(reward.reward_fn(completion, sample)), None
     except Exception:
@@ -543,8 +553,8 @@ def score(pool, samples, rows, tokenizer, cfg):
     for job in jobs:
         try:
             results.append(job.get(timeout=max(0.0, deadline - time.monotonic())))
-        except multiprocessing.TimeoutError:
-            results.append((0.0, "reward_fn did not return by the batch's deadline (signals blocked?)"))
+        except Exception as error:  # the deadline passed, or an alarm escaped the worker's own handling
+            results.append((0.0, f"reward_fn did not return by the batch's deadline ({error!r})"))
     return torch.tensor([r for r, _ in results]), [error for _, error in results if error]
 
 
@@ -597,8 +607,7 @@ def response_logprobs(model, samples, cfg, pad_id):
                  cfg.temperature or 1.0)
         parts.append(checkpoint(logprobs_and_entropy, *chunk, use_reentrant=False)
                      if torch.is_grad_enabled() else logprobs_and_entropy(*chunk))
-    logp, entropy = (torch.cat(x) for x in zip(*parts))
-    return logp, entropy
+    return tuple(torch.cat(x) for x in zip(*parts))  # logp, entropy
 
 
 # ----------------------------------------------------------------------------- loss
@@ -757,13 +766,13 @@ def step_metrics(sums, maxes, lr, seconds):
     metrics = {k: sums[k] / sums["samples"] for k in ("reward", "accuracy", "response_len", "truncated")}
     per_token = ("entropy", "kl", "clip_frac", "mismatch_abs", "mismatch_kl")
     metrics.update({k: sums[k] / max(sums["tokens"], 1) for k in per_token}, **maxes)
-    metrics.update(skipped_steps=sums["skipped_steps"], reward_errors=sums["reward_errors"], lr=lr,
+    metrics.update(reward_errors=sums["reward_errors"], lr=lr,
                    tokens_per_s=sums["response_len"] / seconds, time_step=seconds)
     return metrics
 
 
-def log_step(step, metrics, cfg, wandb_run):
-    m = metrics
+def log_step(step, m, cfg, wandb_run):
+    """One line on the console, one JSON line in metrics.jsonl, and wandb, from the step's metrics `m`."""
     line = (f"step {step + 1}/{cfg.steps} | reward {m['reward']:.3f} | acc {m['accuracy']:.3f} | "
             f"len {m['response_len']:.1f} | ent {m['entropy']:.3f} | kl {m['kl']:.4f} | clip {m['clip_frac']:.3f} | "
             f"gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | mismatch {m['mismatch_abs']:.2e} | "
@@ -772,9 +781,9 @@ def log_step(step, metrics, cfg, wandb_run):
     evals = " | ".join(f"{k} {v:.3f}" for k, v in m.items() if k.startswith("eval_") and k != "eval_prompts")
     print(line + (f"\n  eval ({m['eval_prompts']:.0f} prompts): {evals}" if evals else ""), flush=True)
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
+        f.write(json.dumps({"step": step + 1, **m}) + "\n")
     if wandb_run is not None:
-        wandb_run.log(metrics, step=step + 1)
+        wandb_run.log(m, step=step + 1)
 
 
 # ----------------------------------------------------------------------------- eval
@@ -785,7 +794,7 @@ def evaluate(engine, tokenizer, test_set, pool, cfg, mesh, device):
     rows = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
     sums = dict.fromkeys(("greedy", "mean_at_k", "pass_at_k", "prompts"), 0.0)
     if rows:
-        greedy = generate_rollouts(engine, tokenizer, rows, cfg, cfg.seed, tp_group, n=1, temperature=0.0)
+        greedy = generate_rollouts(engine, tokenizer, rows, cfg, cfg.seed, tp_group, 1, 0.0)
         sampled = generate_rollouts(engine, tokenizer, rows, cfg, cfg.seed, tp_group, cfg.eval_k,
                                     cfg.eval_temperature)
         right = score(pool, sampled, rows, tokenizer, cfg)[0].view(len(rows), cfg.eval_k) >= 1
@@ -814,7 +823,6 @@ def save_checkpoint(cfg, step, model, optimizer, scheduler, tokenizer, wandb_id)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        from safetensors.torch import save_file
         hf = os.path.join(tmp, "hf")
         model.config.save_pretrained(hf)
         tokenizer.save_pretrained(hf)
@@ -839,9 +847,12 @@ def complete_checkpoints(out_dir):
 
 def resume_path(cfg):
     """The checkpoint to resume from; "" to start afresh."""
-    path = (complete_checkpoints(cfg.out_dir) or [""])[-1] if cfg.resume == "auto" else cfg.resume
+    found = complete_checkpoints(cfg.out_dir)
+    path = (found or [""])[-1] if cfg.resume == "auto" else cfg.resume
     if path and not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise SystemExit(f"--resume {path}: not a complete checkpoint folder (no trainer_state.json)")
+    if found and not path:
+        raise SystemExit(f"--out_dir {cfg.out_dir} holds checkpoints: --resume auto continues them, or use another")
     return path
 
 
@@ -876,7 +887,6 @@ def main():
     rank, device, mesh = init_distributed(cfg)
     tokenizer = load_tokenizer(cfg)
     train_set, test_set = PromptDataset(cfg, "train"), PromptDataset(cfg, "test")
-    from transformers import AutoConfig
     model_config = tiny_model_config(len(tokenizer)) if cfg.model == "tiny" else AutoConfig.from_pretrained(cfg.model)
     for field in ("num_attention_heads", "num_key_value_heads"):
         if getattr(model_config, field) % cfg.tp:
@@ -911,31 +921,34 @@ def main():
     # Reward workers: forked before the engine starts and before the signal handlers below, in a session of their
     # own, so that the job's signals (Ctrl-C, torchrun's SIGTERM) reach only the trainer, which finishes the step.
     pool = multiprocessing.get_context("fork").Pool(cfg.reward_workers, initializer=os.setsid)
-    stop = stop_on_signal()
     dp_rank, dp, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["tp"].get_group()
+    free_gpu_cache(tp_group)  # SGLang sizes itself from the free memory it sees at start
     engine = create_engine(cfg, model_config, mesh, device, tokenizer.pad_token_id)
+    stop = stop_on_signal()
     reward_failed = False
     try:
-        push_weights(model, engine, cfg.bucket_mb)
+        push_weights(model, engine, cfg.bucket_mb, tp_group)
         for step in range(start_step, cfg.steps):
             times, start = {}, time.perf_counter()
             # --- generate: G samples per prompt from the engine
             rows = step_rows(train_set, step, cfg, dp_rank, dp)
             seed = (cfg.seed * 1_000_003 + step) * dp + dp_rank
-            samples = generate_rollouts(engine, tokenizer, rows, cfg, seed, tp_group)
+            samples = generate_rollouts(engine, tokenizer, rows, cfg, seed, tp_group, cfg.group_size, cfg.temperature)
             if engine is not None and cfg.engine == "sglang" and not cfg.keep_engine_memory:
                 engine.release_memory()  # the training phase gets the engine's weights and KV cache memory
             times["time_generate"] = time.perf_counter() - start
             # --- reward
             timer = time.perf_counter()
-            rewards, errors = score(pool, samples, rows, tokenizer, cfg)
+            # Scored once per tp group: a timeout seen on one tp rank only would make its replicas drift apart.
+            scored = [score(pool, samples, rows, tokenizer, cfg) if mesh["tp"].get_local_rank() == 0 else None]
+            dist.broadcast_object_list(scored, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+            rewards, errors = scored[0]
             if errors and not reward_failed and rank == 0:
                 print(f"reward_fn failed; it scores 0, counted as reward_errors (shown once):\n{errors[0]}")
             reward_failed = reward_failed or bool(errors)
             times["time_reward"] = time.perf_counter() - timer
             # --- advantages: within each group of G samples of one prompt
-            advantages = group_advantages(rewards, cfg.group_size, cfg.scale_std)
-            for sample, advantage in zip(samples, advantages.tolist()):
+            for sample, advantage in zip(samples, group_advantages(rewards, cfg.group_size, cfg.scale_std).tolist()):
                 sample["advantage"] = advantage
             # --- logprobs, loss and update
             timer = time.perf_counter()
@@ -945,14 +958,15 @@ def main():
             times["time_train"] = time.perf_counter() - timer - times["time_logprobs"]
             # --- push the new weights into the engine
             timer = time.perf_counter()
-            push_weights(model, engine, cfg.bucket_mb)
+            push_weights(model, engine, cfg.bucket_mb, tp_group)
             times["time_push"] = time.perf_counter() - timer
             # --- log, evaluate
             lengths = [len(s["ids"]) for s in samples]
             sums.update(reward=rewards.sum().item(), accuracy=(rewards >= 1).sum().item(), samples=len(samples),
                         response_len=sum(lengths), truncated=sum(s["finish"] == "length" for s in samples),
                         reward_errors=len(errors))
-            maxes = {"response_len_max": max(lengths), "grad_norm": sums.pop("grad_norm"), **times,
+            maxes = {"response_len_max": max(lengths), "grad_norm": sums.pop("grad_norm"),
+                     "skipped_steps": sums.pop("skipped_steps"), **times,
                      "stop": float(stop.is_set())}  # a signal seen by any rank stops all of them after this step
             sums, maxes = reduce_over_ranks(sums, maxes, mesh, device)
             stopping = maxes.pop("stop")

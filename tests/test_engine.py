@@ -75,11 +75,11 @@ def push_then_generate(rank, world, dp, tp):
     engine = train.HFEngine(config, torch.device("cpu"), pad_id=0) if mesh["tp"].get_local_rank() == 0 else None
     if engine is not None:  # start from other weights, so a push that does nothing cannot pass
         engine.update_weights([[(n, torch.zeros_like(p)) for n, p in engine.params.items()]])
-    train.push_weights(model, engine, bucket_mb=1)
+    train.push_weights(model, engine, 1, mesh["tp"].get_group())
     cfg = train.Config(group_size=3, max_new_tokens=8, temperature=1.0)
     rows = [{"prompt": "ab"}, {"prompt": "cde"}]
     tokenizer = train.char_tokenizer()
-    samples = train.generate_rollouts(engine, tokenizer, rows, cfg, seed=5, tp_group=mesh["tp"].get_group())
+    samples = train.generate_rollouts(engine, tokenizer, rows, cfg, 5, mesh["tp"].get_group(), 3, 1.0)
     with torch.no_grad():
         trainer_logp, _ = train.response_logprobs(model, samples, cfg, tokenizer.pad_token_id)
     engine_logp = torch.tensor([lp for s in samples for lp in s["logprobs"]])
@@ -111,7 +111,7 @@ def bucket_plan(rank, world, dp, tp, tied, bucket_bytes):
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = train.build_model(config, mesh, torch.device("cpu"), state if rank == 0 else {})
     want = dict(reference.named_parameters())
-    buckets = list(train.weight_buckets(model, bucket_bytes, torch.bfloat16))
+    buckets = list(train.weight_buckets(model, bucket_bytes, torch.bfloat16, mesh["tp"].get_group()))
     tensors = [t for bucket in buckets for _, t in bucket]
     return {"names": [[n for n, _ in bucket] for bucket in buckets], "want_names": list(want),
             "bytes": [[t.numel() * t.element_size() for _, t in bucket] for bucket in buckets],

@@ -37,7 +37,21 @@ def start(sglang, kind="Engine", tp=1, **cfg):
     """An SGLangEngine whose sglang.Engine is the fake of the given kind; returns it and the fake."""
     sglang.Engine = getattr(sglang, kind)  # the fixture drops the module afterwards
     engine = train.SGLangEngine(train.Config(**cfg), tiny_config("qwen2", True), tp=tp, base_gpu_id=0)
+    assert engine.engine.calls == [WARM_UP]
+    engine.engine.calls.clear()
     return engine, engine.engine
+
+
+# The engine's first request, made at start so that SGLang's event loop installs its signal handler before ours.
+WARM_UP = ("generate", 1, {"max_new_tokens": 1})
+
+
+def test_engine_processes_ignore_the_jobs_signals_and_the_trainers_handlers_come_back(sglang):
+    import signal
+    handler = signal.getsignal(signal.SIGTERM)
+    engine, fake = start(sglang)
+    assert set(fake.signals_at_start.values()) == {signal.SIG_IGN}  # torchrun signals whole process groups
+    assert signal.getsignal(signal.SIGTERM) is handler
 
 
 def test_engine_starts_with_the_arguments_the_design_needs(sglang, tmp_path, monkeypatch):
@@ -97,7 +111,7 @@ def push_through_fake(rank, world, dp, tp, kind):
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = train.build_model(config, mesh, torch.device("cpu"), state if rank == 0 else {})
     engine = train.create_engine(train.Config(engine="sglang", tp=tp), config, mesh, torch.device("cpu"), 0)
-    train.push_weights(model, engine, bucket_mb=1)
+    train.push_weights(model, engine, 1, mesh["tp"].get_group())
     if engine is None:
         return None
     fake = engine.engine
@@ -120,7 +134,8 @@ def test_push_delivers_every_weight_exactly_to_every_engine_tp_rank(sglang, kind
     for r in owners:
         assert r["buckets"] >= 2
         assert r["names"] == [r["want_names"]] * tp and all(r["exact"]) and r["dtypes"] == ["torch.bfloat16"]
-        calls = r["calls"]
+        assert r["calls"][0] == WARM_UP
+        calls = r["calls"][1:]
         kinds = [c[0] for c in calls]
         updates = [i for i, k in enumerate(kinds) if k == "update"]
         assert [calls[i] for i in updates] == [("update", tp, "flattened_bucket", False)] * r["buckets"]

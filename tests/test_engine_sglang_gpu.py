@@ -76,7 +76,8 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
     engine = train.SGLangEngine(cfg, config, tp=1, base_gpu_id=0)
     try:
         timer = time.perf_counter()
-        train.push_weights(model, engine, cfg.bucket_mb)  # ~4 MB of bf16: several 1 MB buckets
+        # ~4 MB of bf16: several 1 MB buckets
+        train.push_weights(model, engine, cfg.bucket_mb, mesh["tp"].get_group())
         push_s = time.perf_counter() - timer
         samples = rollout(engine, cfg, prompts)
         first = mismatch(model, samples, cfg)
@@ -92,7 +93,7 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
             for p in model.parameters():
                 local = p.to_local() if isinstance(p, DTensor) else p
                 local.add_(torch.randn_like(local) * 0.05)
-        train.push_weights(model, engine, cfg.bucket_mb)
+        train.push_weights(model, engine, cfg.bucket_mb, mesh["tp"].get_group())
         samples = rollout(engine, cfg, prompts)
         second, stale = mismatch(model, samples, cfg), mismatch(old, samples, cfg)
         print(f"second push: mean {second[0]:.4f}, max {second[1]:.4f}; against the old policy (a stale push): "
@@ -106,7 +107,7 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
         free_running = free_bytes()
         engine.release_memory()
         free_released = free_bytes()
-        train.push_weights(model, engine, cfg.bucket_mb)
+        train.push_weights(model, engine, cfg.bucket_mb, mesh["tp"].get_group())
         free_resumed = free_bytes()
         freed, taken = free_released - free_running, free_released - free_resumed
         print(f"free before the engine {free_before / GiB:.2f} GiB; static budget ~{static / GiB:.2f} GiB; "

@@ -5,6 +5,7 @@ Engine: 0.5.17 (no weight-update session). SessionEngine: 0.5.21+ (begin/end_wei
 session fail). FailingEngine: every weight update reports (False, "boom")."""
 import json
 import os
+import signal
 from collections import namedtuple
 
 from sglang.srt.utils import MultiprocessingSerializer
@@ -29,6 +30,8 @@ class Engine:
         if unknown:
             raise TypeError(f"unexpected ServerArgs {sorted(unknown)}")
         self.kwargs = kwargs
+        # What the engine's spawned processes would inherit.
+        self.signals_at_start = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         with open(os.path.join(kwargs["model_path"], "config.json")) as f:
             self.model_config = json.load(f)  # the architecture comes from disk, as load_format="dummy" needs
         self.tp_size = kwargs.get("tp_size", 1)
@@ -45,7 +48,7 @@ class Engine:
         if unknown:
             raise TypeError(f"SamplingParams has no {sorted(unknown)}")
         self.calls.append(("generate", len(input_ids), dict(sampling_params)))
-        limit, stop = sampling_params.get("max_new_tokens", 128), sorted(sampling_params["stop_token_ids"])
+        limit, stop = sampling_params.get("max_new_tokens", 128), sorted(sampling_params.get("stop_token_ids", [2]))
         outputs = []
         for i in range(len(input_ids)):
             body = [1000 + 10 * i + j for j in range({0: min(2, limit - 1), 1: limit, 2: limit - 1}[i % 3])]
