@@ -59,6 +59,9 @@ def test_hf_folder_loads_with_from_pretrained_and_holds_the_trained_weights(tmp_
         assert torch.equal(param, trained[name]), name
     initial = AutoModelForCausalLM.from_config(model.config)  # and they did move away from the start
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, initial.model.layers[0].mlp.up_proj.weight)
+    # A fresh run must not mix its checkpoints with this run's: it is refused, naming both ways out.
+    again = torchrun(2, "--preset", "cpu", "--steps", "2", "--eval_every", "0", "--out_dir", str(tmp_path))
+    assert again.returncode != 0 and "holds checkpoints: --resume auto continues them" in again.stderr + again.stdout
 
 
 def kill_tree(pid):
