@@ -109,10 +109,9 @@ class Config:
 
 
 PRESETS = {
-    "cpu": dict(model="tiny", task="toy", engine="hf", steps=30, prompts_per_step=8, group_size=8,
-                max_new_tokens=16, temperature=1.0, lr=1e-2, warmup_steps=0, micro_batch_size=32,
-                train_size=1000, test_size=100, out_dir="runs/cpu", eval_every=10, eval_prompts=16,
-                save_every=0, reward_workers=2),
+    "cpu": dict(model="tiny", task="toy", engine="hf", steps=30, prompts_per_step=8, group_size=8, max_new_tokens=16,
+                temperature=1.0, lr=1e-2, warmup_steps=0, micro_batch_size=32, train_size=1000, test_size=100,
+                out_dir="runs/cpu", eval_every=10, eval_prompts=16, save_every=0, reward_workers=2),
 }
 
 
@@ -133,7 +132,8 @@ def check_config(cfg, world):
     """Catch bad flags before any model is loaded; each message names the flag to change."""
     choices = dict(task=("countdown", "gsm8k", "toy"), engine=("sglang", "hf"), loss_agg=("token", "sequence"),
                    lr_schedule=("constant", "cosine"))
-    positive = ("tp", "prompts_per_step", "num_minibatches", "micro_batch_size", "max_new_tokens", "logprob_chunk")
+    positive = ("tp", "prompts_per_step", "num_minibatches", "micro_batch_size", "max_new_tokens", "logprob_chunk",
+                "reward_workers", "eval_k")
     problems = [(getattr(cfg, f) < 1, f"--{f} must be at least 1, not {getattr(cfg, f)}") for f in positive]
     problems += [(getattr(cfg, f) not in allowed, f"--{f} {getattr(cfg, f)!r}: choose one of {allowed}")
                  for f, allowed in choices.items()]
@@ -143,8 +143,8 @@ def check_config(cfg, world):
     problems += [
         (world % max(cfg.tp, 1), f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}"),
         (cfg.prompts_per_step % max(dp, 1), f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp}"),
-        (samples % max(cfg.num_minibatches, 1), f"--num_minibatches {cfg.num_minibatches} must divide the {samples} "
-                                        "samples per rank (prompts_per_step / dp * group_size)"),
+        (samples % max(cfg.num_minibatches, 1),
+         f"--num_minibatches {cfg.num_minibatches} must divide the {samples} samples per rank (prompts / dp * G)"),
         (cfg.group_size < 2, "--group_size must be at least 2: advantages compare samples of one prompt"),
         (sglang and importlib.util.find_spec("sglang") is None,
          "--engine sglang needs SGLang: pip install -r requirements.txt (sglang==0.5.23), or use --engine hf"),
@@ -244,9 +244,7 @@ def char_tokenizer():
 
 
 def load_tokenizer(cfg):
-    if cfg.model == "tiny":
-        return char_tokenizer()
-    return AutoTokenizer.from_pretrained(cfg.model)  # Qwen tokenizers define pad_token
+    return char_tokenizer() if cfg.model == "tiny" else AutoTokenizer.from_pretrained(cfg.model)
 
 
 def encode_prompt(tokenizer, prompt):
@@ -283,10 +281,12 @@ def init_distributed(cfg):
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:  # gloo for object collectives and barriers: no NCCL kernel spins while the engine generates
+    if cuda:
         torch.cuda.set_device(device)
+    # gloo carries object collectives and barriers, so no NCCL kernel spins on a GPU while its engine generates;
+    # the long timeout covers the engine's start, which the first weight push waits for.
     dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(hours=1))  # the first push waits for the engine's start
+                            timeout=datetime.timedelta(hours=1))
     check_config(cfg, world)
     return rank, device, init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
 
