@@ -711,9 +711,7 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id, ref_model=No
         offset = 0
         for batch in micro_batches(minibatch, cfg.micro_batch_size):
             logp, entropy = response_logprobs(model, batch, cfg, pad_id)
-            if m == 0:
-                store(batch, "old_logp", logp.detach())
-            old_logp = flat(batch, "old_logp")
+            old_logp = logp.detach() if m == 0 else flat(batch, "old_logp")
             is_weights, mismatch = engine_mismatch(old_logp, flat(batch, "logprobs").to(device), cfg.tis_cap)
             loss, metrics = policy_loss(
                 logp, old_logp, flat(batch, "advantage").to(device), weights[offset:offset + len(logp)],
