@@ -1,5 +1,5 @@
 """A CPU stand-in for the parts of sglang.Engine that train.SGLangEngine calls, following the behaviour of sglang
-0.5.17 / 0.5.23 described in .notes/sglang_api.md. It records every call in `engine.calls`, in order.
+0.5.17 / 0.5.23 described in tests/fake_sglang/API.md. It records every call in `engine.calls`, in order.
 
 Engine: 0.5.17 (no weight-update session). SessionEngine: 0.5.21+ (begin/end_weight_update, and updates outside a
 session fail). FailingEngine: every weight update reports (False, "boom")."""
