@@ -1,5 +1,5 @@
 """SGLangEngine against a fake `sglang` package (tests/fake_sglang): SGLang cannot run on a CPU, so only SGLang is
-replaced and the trainer's code runs unchanged. The fake follows the 0.5.17 / 0.5.23 API of .notes/sglang_api.md:
+replaced and the trainer's code runs unchanged. The fake follows the 0.5.17 / 0.5.23 API in tests/fake_sglang/API.md:
 start-up arguments, weight pushes as flattened bf16 buckets (one serialized payload per engine TP rank), the 0.5.21+
 weight-update session, memory release / resume bookkeeping, and the output format of generate."""
 import importlib.util
