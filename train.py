@@ -355,13 +355,12 @@ class HFEngine:
         with torch.device(device):
             self.model = AutoModelForCausalLM.from_config(model_config, dtype=self.dtype).eval()
         self.model.generation_config = GenerationConfig()  # no sampling defaults (top_k=50) sneak in
-        self.params = dict(self.model.named_parameters())
         self.pad_id = pad_id
 
     @torch.no_grad()
     def update_weights(self, buckets):
         for name, tensor in (named for bucket in buckets for named in bucket):
-            self.params[name].copy_(tensor)
+            self.model.get_parameter(name).copy_(tensor)
 
     @torch.no_grad()
     def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):
@@ -383,7 +382,7 @@ class HFEngine:
         return samples
 
     def shutdown(self):
-        del self.model, self.params
+        del self.model
 
 
 class SGLangEngine:
@@ -508,19 +507,27 @@ def push_weights(model, engine, bucket_mb, tp_group):
         engine.update_weights(buckets)
 
 
+def on_first_tp_rank(tp_group, work):
+    """work() on the tp group's first rank, its result sent to the other ranks, so the whole group acts on one
+    answer: one engine generates, and one reward pass decides (a timeout seen on one tp rank only would make the
+    group's replicated weights drift apart)."""
+    result = [work() if dist.get_rank(group=tp_group) == 0 else None]
+    if dist.get_world_size(tp_group) > 1:
+        dist.broadcast_object_list(result, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+    return result[0]
+
+
 def generate_rollouts(engine, tokenizer, rows, cfg, seed, tp_group, n, temperature):
-    """n samples per prompt, grouped by prompt: the tp group's first rank generates, the others receive."""
+    """n samples per prompt, grouped by prompt, from the engine of this rank's tp group."""
     prompts = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
     repeated = [p for p in prompts for _ in range(n)]
-    stop_ids, samples = stop_token_ids(tokenizer), [None]
-    if engine is not None:
-        samples = [engine.generate(repeated, temperature, cfg.top_p, cfg.max_new_tokens, stop_ids, seed)]
-    if dist.get_world_size(tp_group) > 1:
-        dist.broadcast_object_list(samples, src=dist.get_global_rank(tp_group, 0), group=tp_group)
-    for prompt, sample in zip(repeated, samples[0]):
+    stop_ids = stop_token_ids(tokenizer)
+    samples = on_first_tp_rank(tp_group, lambda: engine.generate(repeated, temperature, cfg.top_p, cfg.max_new_tokens,
+                                                                 stop_ids, seed))
+    for prompt, sample in zip(repeated, samples):
         # Finish from the last token, the same for every engine (SGLang versions disagree on a stop at the limit).
         sample.update(prompt_ids=prompt, finish="stop" if sample["ids"][-1:] in ([t] for t in stop_ids) else "length")
-    return samples[0]
+    return samples
 
 
 # ----------------------------------------------------------------------------- reward and advantages
@@ -584,9 +591,8 @@ def pad_batch(samples, pad_id, device):
     ids = torch.tensor([q + [pad_id] * (width - len(q)) for q in seqs], device=device)
     mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in seqs], device=device)
     # response[b, t]: token t + 1 of sequence b is a response token, predicted at position t.
-    response = torch.zeros_like(mask, dtype=torch.bool)
-    for b, s in enumerate(samples):
-        response[b, len(s["prompt_ids"]) - 1:len(s["prompt_ids"]) + len(s["ids"]) - 1] = True
+    response = torch.tensor([[len(s["prompt_ids"]) - 1 <= t < len(q) - 1 for t in range(width)]
+                             for s, q in zip(samples, seqs)], device=device)
     return ids, mask, response
 
 
@@ -792,13 +798,12 @@ def evaluate(engine, tokenizer, test_set, pool, cfg, mesh, device):
     rows = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
     sums = dict.fromkeys(("greedy", "mean_at_k", "pass_at_k", "prompts"), 0.0)
     if rows:
-        greedy = generate_rollouts(engine, tokenizer, rows, cfg, cfg.seed, tp_group, 1, 0.0)
-        sampled = generate_rollouts(engine, tokenizer, rows, cfg, cfg.seed, tp_group, cfg.eval_k,
-                                    cfg.eval_temperature)
-        right = score(pool, sampled, rows, tokenizer, cfg)[0].view(len(rows), cfg.eval_k) >= 1
-        sums = {"greedy": (score(pool, greedy, rows, tokenizer, cfg)[0] >= 1).sum().item(),
-                "mean_at_k": right.float().mean(1).sum().item(), "pass_at_k": right.any(1).sum().item(),
-                "prompts": len(rows)}
+        def right(n, temperature):  # [len(rows), n]: reward 1.0, scored once per tp group
+            samples = generate_rollouts(engine, tokenizer, rows, cfg, cfg.seed, tp_group, n, temperature)
+            return on_first_tp_rank(tp_group, lambda: score(pool, samples, rows, tokenizer, cfg)[0]).view(-1, n) >= 1
+        sampled = right(cfg.eval_k, cfg.eval_temperature)
+        sums = {"greedy": right(1, 0.0).sum().item(), "mean_at_k": sampled.float().mean(1).sum().item(),
+                "pass_at_k": sampled.any(1).sum().item(), "prompts": len(rows)}
     sums, _ = reduce_over_ranks(sums, {}, mesh, device)
     n = max(sums.pop("prompts"), 1)
     return {"eval_greedy_acc": sums["greedy"] / n, f"eval_mean@{cfg.eval_k}": sums["mean_at_k"] / n,
@@ -937,10 +942,7 @@ def main():
             times["time_generate"] = time.perf_counter() - start
             # --- reward
             timer = time.perf_counter()
-            # Scored once per tp group: a timeout seen on one tp rank only would make its replicas drift apart.
-            scored = [score(pool, samples, rows, tokenizer, cfg) if mesh["tp"].get_local_rank() == 0 else None]
-            dist.broadcast_object_list(scored, src=dist.get_global_rank(tp_group, 0), group=tp_group)
-            rewards, errors = scored[0]
+            rewards, errors = on_first_tp_rank(tp_group, lambda: score(pool, samples, rows, tokenizer, cfg))
             if errors and not reward_failed and rank == 0:
                 print(f"reward_fn failed; it scores 0, counted as reward_errors (shown once):\n{errors[0]}")
             reward_failed = reward_failed or bool(errors)

@@ -74,7 +74,7 @@ def push_then_generate(rank, world, dp, tp):
     model = train.build_model(config, mesh, torch.device("cpu"), state if rank == 0 else {})
     engine = train.HFEngine(config, torch.device("cpu"), pad_id=0) if mesh["tp"].get_local_rank() == 0 else None
     if engine is not None:  # start from other weights, so a push that does nothing cannot pass
-        engine.update_weights([[(n, torch.zeros_like(p)) for n, p in engine.params.items()]])
+        engine.update_weights([[(n, torch.zeros_like(p)) for n, p in engine.model.named_parameters()]])
     train.push_weights(model, engine, 1, mesh["tp"].get_group())
     cfg = train.Config(group_size=3, max_new_tokens=8, temperature=1.0)
     rows = [{"prompt": "ab"}, {"prompt": "cde"}]
@@ -83,7 +83,7 @@ def push_then_generate(rank, world, dp, tp):
     with torch.no_grad():
         trainer_logp, _ = train.response_logprobs(model, samples, cfg, tokenizer.pad_token_id)
     engine_logp = torch.tensor([lp for s in samples for lp in s["logprobs"]])
-    weights_equal = engine is None or all(torch.equal(engine.params[k], state[k]) for k in engine.params)
+    weights_equal = engine is None or all(torch.equal(p, state[k]) for k, p in engine.model.named_parameters())
     stop_ids = train.stop_token_ids(tokenizer)
     finish_right = all(s["finish"] == ("stop" if s["ids"][-1] in stop_ids else "length") for s in samples)
     return {"ids": [(s["prompt_ids"], s["ids"]) for s in samples], "weights_equal": weights_equal,
