@@ -6,6 +6,7 @@ that takes the completion string plus the fields it needs and returns a float in
 text, 10,000 parentheses, `__import__('os')`), so nothing here calls eval, and every scan is linear and capped.
 """
 
+import logging
 import re
 from fractions import Fraction
 
@@ -18,7 +19,8 @@ MAX_EXPR_CHARS = 200  # countdown expressions are a few dozen characters
 MAX_DEPTH = 32  # parenthesis nesting; the parser recurses once per level
 MAX_DIGITS = 6  # per integer literal, so Fractions stay small
 MAX_NUMBER_CHARS = 30  # gsm8k answers; with _NUMBER (no exponents) this keeps Fraction() cheap
-TAIL_CHARS = 10_000  # the last number of a gsm8k answer is near its end
+TAIL_CHARS = 10_000  # the last number of a gsm8k answer, or the last \boxed{} of a math answer, is near its end
+MAX_BOXED_CHARS = 1_000  # a \boxed{} answer longer than this is not read
 
 _EXPR_CHARS = re.compile(r"[0-9+\-*/()\s]*")
 _EXPR_TOKEN = re.compile(r"[0-9]+|[-+*/()]")
@@ -97,15 +99,24 @@ def _to_number(text: str) -> Fraction | None:
     return Fraction(text)  # exact, so "72.00" == "72" and 0.1 + 0.2 troubles cannot arise
 
 
+def last_boxed(text: str) -> str | None:
+    """The contents of the last \\boxed{...} in text, braces inside included; None if there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0  # count braces so \boxed{\frac{1}{2}} ends at its own brace; give up after MAX_BOXED_CHARS
+    for i in range(start + len("\\boxed"), min(len(text), start + MAX_BOXED_CHARS)):
+        depth += 1 if text[i] == "{" else -1 if text[i] == "}" else 0
+        if depth == 0:
+            return text[start + len("\\boxed{"):i]
+    return None
+
+
 def _final_answer(completion: str) -> str:
     """The last \\boxed{...}, else the first number after the last ####, else the last number in the text."""
-    start = completion.rfind("\\boxed{")
-    if start >= 0:
-        depth = 0  # count braces so \boxed{\frac{1}{2}} ends at its own brace; give up after 200 characters
-        for i in range(start + len("\\boxed"), min(len(completion), start + 200)):
-            depth += 1 if completion[i] == "{" else -1 if completion[i] == "}" else 0
-            if depth == 0:
-                return completion[start + len("\\boxed{"):i]
+    boxed = last_boxed(completion[-TAIL_CHARS:])
+    if boxed is not None:
+        return boxed
     hashes = completion.rfind("####")
     if hashes >= 0:
         match = _NUMBER.search(completion[hashes + 4:hashes + 200].replace(",", "").replace("$", ""))
@@ -121,7 +132,34 @@ def gsm8k_reward(completion: str, answer: str) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# toy: the CPU demo task
+# math: competition problems (MATH) with LaTeX answers
+
+
+def math_reward(completion: str, answer: str) -> float:
+    """1.0 if the completion's last \\boxed{} equals `answer` (LaTeX) as mathematics, judged by math-verify: 0.5 and
+    \\frac{1}{2}, \\sqrt{2} and \\sqrt 2, the same interval written two ways all match; else 0.0."""
+    from math_verify import parse, verify  # imported on first use: only the math task needs math-verify
+    boxed = last_boxed(completion[-TAIL_CHARS:])
+    if boxed is None or not answer:
+        return 0.0
+    # math-verify cuts its parse and comparison off after 1 s each (SIGALRM; the trainer's --reward_timeout uses the
+    # same alarm, so it no longer covers the rest of this call). Its timeouts log the whole input: keep them quiet.
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+    gold, predicted = (parse(f"\\boxed{{{text}}}", parsing_timeout=1) for text in (answer, boxed))
+    return 1.0 if verify(gold, predicted, timeout_seconds=1) else 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shaping and the toy task
+
+
+def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward of a `length`-token response:
+    0 up to max_length - buffer tokens, then falling linearly to -1 at max_length, and -1 beyond."""
+    if buffer <= 0:
+        return 0.0
+    return max(-1.0, min(0.0, (max_length - buffer - length) / buffer))
+
 
 
 def toy_reward(completion: str, target: str) -> float:
@@ -138,6 +176,8 @@ def reward_fn(completion: str, sample: dict) -> float:
         return countdown_reward(completion, sample["nums"], sample["target"])
     if task == "gsm8k":
         return gsm8k_reward(completion, sample["answer"])
+    if task == "math":
+        return math_reward(completion, sample["answer"])
     if task == "toy":
         return toy_reward(completion, sample["target"])
     raise ValueError(f"unknown task {task!r}: add a branch for it to reward_fn in reward.py")

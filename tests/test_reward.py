@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from reward import FORMAT_SCORE, countdown_reward, gsm8k_reward, reward_fn, toy_reward
+from reward import (FORMAT_SCORE, countdown_reward, gsm8k_reward, last_boxed, math_reward, overlong_penalty,
+                    reward_fn, toy_reward)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,6 +172,55 @@ def test_gsm8k_hostile_strings():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# math: LaTeX answers judged by math-verify
+
+
+@pytest.mark.parametrize("predicted, answer", [
+    ("\\frac{1}{2}", "\\frac{1}{2}"), ("0.5", "\\frac12"), ("\\dfrac{2}{4}", "\\frac{1}{2}"),
+    ("\\sqrt 2", "\\sqrt{2}"), ("\\frac{\\sqrt{3}}{2}", "\\frac{1}{2}\\sqrt{3}"), ("2\\sqrt{2}", "\\sqrt{8}"),
+    ("(-\\infty, 3]", "(-\\infty,3]"), ("[0, 1) \\cup (2, 5]", "[0,1)\\cup(2,5]"), ("\\{1, 2, 3\\}", "\\{3, 2, 1\\}"),
+    ("x = 4", "4"), ("\\pi/2", "\\frac{\\pi}{2}"), ("-7", "-7"),
+])
+def test_math_answers_that_are_equal_as_mathematics_score_one(predicted, answer):
+    assert math_reward(f"Work... so the answer is \\boxed{{{predicted}}}.", answer) == 1.0
+
+
+@pytest.mark.parametrize("predicted, answer", [
+    ("\\frac{1}{3}", "\\frac{1}{2}"), ("\\sqrt{3}", "\\sqrt{2}"), ("(-\\infty, 3)", "(-\\infty, 3]"),
+    ("[0, 1]", "(0, 1)"), ("\\{1, 2\\}", "\\{1, 2, 3\\}"), ("5", "-5"),
+])
+def test_math_answers_that_differ_score_zero(predicted, answer):
+    assert math_reward(f"\\boxed{{{predicted}}}", answer) == 0.0
+
+
+def test_math_reads_the_last_boxed_answer_only():
+    assert math_reward("first \\boxed{3}, then \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert math_reward("first \\boxed{0.5}, then \\boxed{3}", "0.5") == 0.0
+    assert math_reward("the answer is 0.5", "0.5") == 0.0  # not boxed
+    assert last_boxed("a \\boxed{\\frac{1}{2}} b") == "\\frac{1}{2}" and last_boxed("none") is None
+
+
+def test_math_survives_hostile_completions_within_seconds():
+    start = time.perf_counter()
+    for text in ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{" + "(" * 900 + "}", "\\boxed{" * 100_000, "x" * 5_000_000,
+                 "\\boxed{\\frac{" * 300 + "}", "\\boxed{__import__('os').system('true')}", "\\boxed{}"]:
+        assert math_reward(text, "5") == 0.0
+    assert time.perf_counter() - start < 10  # math-verify gives up after 1 s a parse
+
+
+@pytest.mark.parametrize("length, expected", [
+    (0, 0.0), (80, 0.0), (81, -1 / 20), (90, -0.5), (99, -19 / 20), (100, -1.0), (101, -1.0), (5000, -1.0),
+])
+def test_overlong_penalty_is_zero_then_linear_over_the_buffer_then_minus_one(length, expected):
+    """DAPO eq. 13 with L_max = 100, L_cache = 20: 0 up to 80 tokens, (80 - |y|) / 20 up to 100, -1 beyond."""
+    assert overlong_penalty(length, 100, 20) == pytest.approx(expected)
+
+
+def test_overlong_penalty_is_off_without_a_buffer():
+    assert overlong_penalty(10_000, 100, 0) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # toy and dispatch
 
 
@@ -186,11 +236,12 @@ def test_reward_fn_dispatches_on_task():
     assert reward_fn(answer("3 + 5"), {"task": "countdown", "nums": [5, 3], "target": 8}) == 1.0
     assert reward_fn("#### 7", {"task": "gsm8k", "answer": "7"}) == 1.0
     assert reward_fn("aab", {"task": "toy", "target": "b"}) == pytest.approx(1 / 3)
+    assert reward_fn("\\boxed{\\tfrac{3}{6}}", {"task": "math", "answer": "\\frac{1}{2}"}) == 1.0
 
 
 def test_reward_fn_unknown_task_raises_naming_it():
-    with pytest.raises(ValueError, match="'math'.*reward_fn"):
-        reward_fn("x", {"task": "math"})
+    with pytest.raises(ValueError, match="'chess'.*reward_fn"):
+        reward_fn("x", {"task": "chess"})
 
 
 def test_reward_fn_returns_a_float_in_unit_interval_for_random_strings():
@@ -202,6 +253,7 @@ def test_reward_fn_returns_a_float_in_unit_interval_for_random_strings():
         {"task": "countdown", "nums": [3, 5, 7], "target": 15},
         {"task": "gsm8k", "answer": "7"},
         {"task": "toy", "target": "a"},
+        {"task": "math", "answer": "\\frac{7}{2}"},
     ]
     for _ in range(300):
         pieces = [rng.choice(fragments) if rng.random() < 0.5 else rng.choice(printable)
