@@ -24,7 +24,9 @@ def logged(out_dir):
 
 
 def hf_weights(out_dir, step):
-    return load_file(os.path.join(out_dir, "checkpoints", f"step_{step:06d}", "hf", "model.safetensors"))
+    folder = os.path.join(out_dir, "checkpoints", f"step_{step:06d}", "hf")
+    return {k: v for name in os.listdir(folder) if name.endswith(".safetensors")
+            for k, v in load_file(os.path.join(folder, name)).items()}
 
 
 def test_k_steps_resume_k_steps_equals_2k_steps(tmp_path):

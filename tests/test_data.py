@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 import reward
 import train
@@ -163,6 +164,36 @@ def test_gsm8k_from_a_local_folder_of_parquet_splits(tmp_path, datasets_cache):
     check_gsm8k_item(dataset[0])
 
 
+MATH_ROWS = [
+    {"problem": "What is $\\frac{2}{4}$ in lowest terms?", "level": "Level 1", "type": "Prealgebra",
+     "solution": "Divide both by 2: $\\frac{2}{4} = \\boxed{\\frac{1}{2}}$."},
+    {"problem": "Solve $x^2 = 2$ for $x > 0$.", "level": "Level 2", "type": "Algebra",
+     "solution": "Take the root: $x = \\boxed{\\sqrt{2}}$."},
+]
+
+
+def test_math_from_a_local_folder_takes_the_last_boxed_answer_of_the_solution(tmp_path, datasets_cache):
+    folder = tmp_path / "math"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in MATH_ROWS))
+    (folder / "test.jsonl").write_text(json.dumps(MATH_ROWS[1]) + "\n")
+    cfg = train.Config(task="math", data_path=str(folder), prompts_per_step=2)
+    first, second = train.PromptDataset(cfg, "train")
+    assert (first["task"], first["answer"], second["answer"]) == ("math", "\\frac{1}{2}", "\\sqrt{2}")
+    message = first["prompt"][0]
+    assert message["role"] == "user" and MATH_ROWS[0]["problem"] in message["content"]
+    assert "\\boxed" in message["content"]
+    assert reward.reward_fn("so it is \\boxed{0.5}", first) == 1.0
+    assert reward.reward_fn("so it is \\boxed{2^{1/2}}", second) == 1.0
+    assert reward.reward_fn("so it is \\boxed{\\frac{1}{3}}", first) == 0.0
+    assert [row["answer"] for row in train.PromptDataset(cfg, "test")] == ["\\sqrt{2}"]
+
+
+def test_the_default_datasets_are_the_gsm8k_and_math_hub_ids():
+    assert train.DATASETS == {"gsm8k": "openai/gsm8k", "math": "DigitalLearningGmbH/MATH-lighteval"}
+    assert train.Config().data_path == ""
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # tokenizers and prompt rendering
 
@@ -218,9 +249,9 @@ def test_stop_token_ids_of_qwen_are_im_end_and_endoftext(qwen_tokenizer):
     assert train.stop_token_ids(qwen_tokenizer) == [ENDOFTEXT, IM_END]
 
 
-def test_load_tokenizer_reads_a_local_folder(qwen_tokenizer, tmp_path):
+def test_a_qwen_tokenizer_saved_to_a_folder_loads_as_main_loads_it(qwen_tokenizer, tmp_path):
     qwen_tokenizer.save_pretrained(tmp_path)
-    tok = train.load_tokenizer(train.Config(model=str(tmp_path)))
+    tok = AutoTokenizer.from_pretrained(tmp_path)
     assert train.encode_prompt(tok, MESSAGES) == train.encode_prompt(qwen_tokenizer, MESSAGES)
     assert train.stop_token_ids(tok) == [ENDOFTEXT, IM_END]
 
@@ -257,9 +288,8 @@ def test_char_tokenizer_stop_ids_contain_eos():
     assert stops == sorted({tok.get_vocab()["<|im_end|>"], tok.get_vocab()["<|endoftext|>"]})
 
 
-def test_load_tokenizer_tiny_is_the_char_tokenizer_without_chat_template():
-    tok = train.load_tokenizer(train.Config(model="tiny"))
-    assert tok.get_vocab() == train.char_tokenizer().get_vocab()
+def test_the_char_tokenizer_has_no_chat_template_so_chat_prompts_render_the_plain_template():
+    tok = train.char_tokenizer()
     assert not tok.chat_template
     ids = train.encode_prompt(tok, MESSAGES)  # so chat prompts render the plain template
     assert tok.decode(ids) == train.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
@@ -294,6 +324,14 @@ def test_step_rows_never_repeats_a_row_within_an_epoch():
                 for row in train.step_rows(dataset, step, cfg, r, 2)]
         assert len(seen) == len(set(seen)) == 40
     assert train.step_rows(dataset, 0, cfg, 0, 2) != train.step_rows(dataset, 5, cfg, 0, 2)  # reshuffled
+
+
+def test_dynamic_sampling_rounds_draw_other_prompts_the_same_way_every_time():
+    cfg = train.Config(prompts_per_step=8, seed=0)
+    dataset = list(range(400))
+    first, again, extra = (train.step_rows(dataset, 3, cfg, 1, 2, r) for r in (0, 0, 1))
+    assert first == again and extra == train.step_rows(dataset, 3, cfg, 1, 2, 1)
+    assert extra != first and len(extra) == 4
 
 
 def test_step_rows_returns_dataset_items():
@@ -361,6 +399,12 @@ def test_unknown_preset_names_the_flag():
     (dict(task="mnist"), 1, "--task"),
     (dict(loss_agg="mean"), 1, "--loss_agg"),
     (dict(group_size=1), 1, "--group_size"),
+    (dict(kl_estimator="k4"), 1, "--kl_estimator"),
+    (dict(loss_agg="constant", beta=-0.1), 1, "--beta"),
+    (dict(kl_in_reward=True), 1, "--kl_in_reward"),  # beta 0: nothing to subtract
+    (dict(overlong_buffer=-1), 1, "--overlong_buffer"),
+    (dict(dynamic_sampling_rounds=-2), 1, "--dynamic_sampling_rounds"),
+    (dict(max_tokens_per_microbatch=-1), 1, "--max_tokens_per_microbatch"),
 ])
 def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):
     with pytest.raises(SystemExit, match=flag):

@@ -1,12 +1,16 @@
 """The CPU rollout engine: sampled ids kept exactly (stop token included), its logprobs, seeding, weight pushes
 from a sharded policy, and the broadcast of rollouts to the other ranks of a tp group."""
+import multiprocessing
+import random
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
+import reward
 import train
-from test_parallel import VOCAB, tiny_config
+from test_parallel import VOCAB, save_reference, sharded_model, tiny_config
 from workers import run_ranks
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -65,36 +69,39 @@ def test_greedy_decoding_at_temperature_zero():
     assert s["ids"] == ids[len(PROMPTS[0]):]
 
 
-def push_then_generate(rank, world, dp, tp):
-    """A sharded policy pushes its weights; the tp group's first rank generates and the group receives."""
-    config = tiny_config("qwen3", False)
-    torch.manual_seed(3)
-    state = AutoModelForCausalLM.from_config(config).state_dict()
+def push_then_generate(rank, world, folder, dp, tp):
+    """A sharded policy pushes its weights; the tp group's first rank generates and scores, the group receives."""
+    config = AutoConfig.from_pretrained(folder)
+    state = AutoModelForCausalLM.from_pretrained(folder).state_dict()
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = train.build_model(config, mesh, torch.device("cpu"), state if rank == 0 else {})
+    model = sharded_model(folder, mesh)
     engine = train.HFEngine(config, torch.device("cpu"), pad_id=0) if mesh["tp"].get_local_rank() == 0 else None
     if engine is not None:  # start from other weights, so a push that does nothing cannot pass
         engine.update_weights([[(n, torch.zeros_like(p)) for n, p in engine.model.named_parameters()]])
     train.push_weights(model, engine, 1, mesh["tp"].get_group())
     cfg = train.Config(group_size=3, max_new_tokens=8, temperature=1.0)
-    rows = [{"prompt": "ab"}, {"prompt": "cde"}]
+    rows = [{"prompt": "ab", "task": "toy", "target": "a"}, {"prompt": "cde", "task": "toy", "target": "b"}]
     tokenizer = train.char_tokenizer()
-    samples = train.generate_rollouts(engine, tokenizer, rows, cfg, 5, mesh["tp"].get_group(), 3, 1.0)
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        samples, errors = train.generate_rollouts(engine, pool, tokenizer, rows, cfg, 5, mesh["tp"].get_group(), 3, 1.0)
     with torch.no_grad():
-        trainer_logp, _ = train.response_logprobs(model, samples, cfg, tokenizer.pad_token_id)
+        trainer_logp, _ = train.response_logprobs(model, samples, cfg, mesh["tp"], tokenizer.pad_token_id)
+    texts = [tokenizer.decode(s["ids"], skip_special_tokens=True) for s in samples]
+    scores_right = errors == [] and [s["score"] for s in samples] == [
+        reward.toy_reward(text, row["target"]) for text, row in zip(texts, [rows[0]] * 3 + [rows[1]] * 3)]
     engine_logp = torch.tensor([lp for s in samples for lp in s["logprobs"]])
     weights_equal = engine is None or all(torch.equal(p, state[k]) for k, p in engine.model.named_parameters())
     stop_ids = train.stop_token_ids(tokenizer)
     finish_right = all(s["finish"] == ("stop" if s["ids"][-1] in stop_ids else "length") for s in samples)
     return {"ids": [(s["prompt_ids"], s["ids"]) for s in samples], "weights_equal": weights_equal,
-            "finish_right": finish_right and len(samples) == 6,
+            "finish_right": finish_right and len(samples) == 6, "scores_right": scores_right,
             "mismatch": (trainer_logp - engine_logp).abs().max().item()}
 
 
-def test_pushed_weights_reach_the_engine_and_rollouts_reach_every_tp_rank():
+def test_pushed_weights_reach_the_engine_and_scored_rollouts_reach_every_tp_rank(tmp_path):
     tokenizer = train.char_tokenizer()
-    results = run_ranks(push_then_generate, 2, 1, 2)
-    assert all(r["weights_equal"] and r["finish_right"] for r in results)
+    results = run_ranks(push_then_generate, 2, save_reference(tmp_path, "qwen3", False), 1, 2)
+    assert all(r["weights_equal"] and r["finish_right"] and r["scores_right"] for r in results)
     assert results[0]["ids"] == results[1]["ids"]  # rank 1 received rank 0's samples
     prompts = [p for p, _ in results[0]["ids"]]
     ab, cde = (tokenizer("ab").input_ids, tokenizer("cde").input_ids)
@@ -103,13 +110,10 @@ def test_pushed_weights_reach_the_engine_and_rollouts_reach_every_tp_rank():
     assert max(r["mismatch"] for r in results) < 1e-5
 
 
-def bucket_plan(rank, world, dp, tp, tied, bucket_bytes):
-    config = tiny_config("qwen3", tied)
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config)
-    state = {k: v.clone() for k, v in reference.state_dict().items()}
+def bucket_plan(rank, world, folder, dp, tp, bucket_bytes):
+    reference = AutoModelForCausalLM.from_pretrained(folder)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = train.build_model(config, mesh, torch.device("cpu"), state if rank == 0 else {})
+    model = sharded_model(folder, mesh)
     want = dict(reference.named_parameters())
     buckets = list(train.weight_buckets(model, bucket_bytes, torch.bfloat16, mesh["tp"].get_group()))
     tensors = [t for bucket in buckets for _, t in bucket]
@@ -122,9 +126,9 @@ def bucket_plan(rank, world, dp, tp, tied, bucket_bytes):
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)])
-def test_weight_buckets_hold_every_full_bf16_weight_once_under_hf_names(dp, tp, tied):
+def test_weight_buckets_hold_every_full_bf16_weight_once_under_hf_names(dp, tp, tied, tmp_path):
     bound = 4096  # bytes: the tiny model's ~50 KB of bf16 weights make many buckets
-    results = run_ranks(bucket_plan, dp * tp, dp, tp, tied, bound)
+    results = run_ranks(bucket_plan, dp * tp, save_reference(tmp_path, "qwen3", tied), dp, tp, bound)
     for r in results:
         names = sum(r["names"], [])
         assert names == r["want_names"]  # each parameter once, HF names, no wrapper prefixes
@@ -136,3 +140,49 @@ def test_weight_buckets_hold_every_full_bf16_weight_once_under_hf_names(dp, tp, 
         for sizes in r["bytes"][:-1]:
             assert sum(sizes) >= bound
     assert all(r["names"] == results[0]["names"] for r in results)  # the same plan on every rank
+
+
+# ----------------------------------------------------------------------------- dynamic sampling (DAPO)
+def informative_or_flat(completion, sample):
+    """Rows marked flat score the same for every completion (a group with no gradient); the others vary."""
+    return 0.5 if sample["flat"] else random.random()
+
+
+def collect(rank, world, dataset, rounds):
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    tokenizer = train.char_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), **train.TINY_MODEL)
+    engine = train.HFEngine(config, torch.device("cpu"), tokenizer.pad_token_id)
+    cfg = train.Config(prompts_per_step=4, group_size=3, max_new_tokens=2, dynamic_sampling_rounds=rounds)
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        samples, errors, dropped = train.collect_rollouts(engine, pool, dataset, tokenizer, cfg, 7, mesh)
+    groups = [samples[i:i + 3] for i in range(0, len(samples), 3)]
+    # The rows each round drew, for an independent count of what should have happened.
+    drawn = [train.step_rows(dataset, 7, cfg, 0, 1, r) for r in range(rounds + 1)]
+    return [[s["prompt_ids"] for s in g] for g in groups], [[s["reward"] for s in g] for g in groups], errors, \
+        dropped, [[row["flat"] for row in rows] for rows in drawn]
+
+
+@pytest.mark.parametrize("flat_share, rounds", [(0.5, 0), (0.5, 30), (0.9, 1)])
+def test_dynamic_sampling_refills_dropped_groups_and_counts_them(monkeypatch, flat_share, rounds):
+    monkeypatch.setattr(reward, "reward_fn", informative_or_flat)  # the workers fork with it
+    dataset = [{"prompt": f"row {i}", "flat": i < flat_share * 40} for i in range(40)]
+    prompts, rewards, errors, dropped, drawn = run_ranks(collect, 1, dataset, rounds)[0]
+    assert errors == [] and len(prompts) == 4
+    assert all(len(g) == 3 and len(set(map(tuple, g))) == 1 for g in prompts)  # groups of one prompt
+    flat = [len(set(g)) == 1 for g in rewards]
+    # Expected, round by round: informative groups are kept until there are 4; flat ones are dropped, and fill
+    # the batch only when the rounds run out.
+    kept, seen_flat = 0, 0
+    for rows in (drawn if rounds else drawn[:1]):
+        kept += sum(not f for f in rows)
+        seen_flat += sum(rows)
+        if kept >= 4:
+            break
+    if rounds == 0:  # off: the step's rows as they come, nothing dropped
+        assert dropped == 0 and sum(flat) == sum(drawn[0])
+    else:
+        filled = max(0, 4 - kept)
+        assert sum(flat) == filled and dropped == seen_flat - filled
+        assert (filled > 0) == (flat_share == 0.9)  # 2 rounds of mostly flat rows cannot fill the batch
+    assert dropped > 0 or rounds == 0

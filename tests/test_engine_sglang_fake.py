@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
 import train
-from test_parallel import tiny_config
+from test_parallel import save_reference, sharded_model, tiny_config
 from workers import run_ranks
 
 FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_sglang")
@@ -76,9 +76,13 @@ def test_engine_starts_with_the_arguments_the_design_needs(sglang, tmp_path, mon
         assert written[field] == getattr(config, field), field
 
 
-def test_engine_config_names_the_model_class(sglang):
-    for family, arch in (("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")):
-        fake = train.SGLangEngine(train.Config(), tiny_config(family, True), tp=1, base_gpu_id=0).engine
+def test_engine_config_names_the_model_class(sglang, tmp_path):
+    tiny = Qwen2Config(vocab_size=103, **train.TINY_MODEL)  # as main builds it for --model tiny
+    assert [type(AutoModelForCausalLM.from_config(tiny)).__name__] == tiny.architectures
+    saved = AutoConfig.from_pretrained(save_reference(tmp_path / "qwen3", "qwen3", True))  # a checkpoint's config
+    for config, arch in ((tiny, "Qwen2ForCausalLM"), (saved, "Qwen3ForCausalLM")):
+        cfg = train.Config(out_dir=str(tmp_path / "out"))
+        fake = train.SGLangEngine(cfg, config, tp=1, base_gpu_id=0).engine
         assert fake.model_config.get("architectures") == [arch]
 
 
@@ -100,16 +104,14 @@ def expected_buckets(sizes, bound):
     return count + (held > 0)
 
 
-def push_through_fake(rank, world, dp, tp, kind):
+def push_through_fake(rank, world, folder, dp, tp, kind):
     import sglang
     sglang.Engine = getattr(sglang, kind)
     os.environ["LOCAL_RANK"] = str(rank)
-    config = push_config()
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config)
-    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    config = AutoConfig.from_pretrained(folder)
+    reference = AutoModelForCausalLM.from_pretrained(folder)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = train.build_model(config, mesh, torch.device("cpu"), state if rank == 0 else {})
+    model = sharded_model(folder, mesh)
     engine = train.create_engine(train.Config(engine="sglang", tp=tp), config, mesh, torch.device("cpu"), 0)
     train.push_weights(model, engine, 1, mesh["tp"].get_group())
     if engine is None:
@@ -125,8 +127,10 @@ def push_through_fake(rank, world, dp, tp, kind):
 
 @pytest.mark.parametrize("kind", ["Engine", "SessionEngine"])  # 0.5.17, and 0.5.21+ with begin/end_weight_update
 @pytest.mark.parametrize("dp,tp", [(1, 1), (1, 2), (2, 1)])
-def test_push_delivers_every_weight_exactly_to_every_engine_tp_rank(sglang, kind, dp, tp):
-    results = run_ranks(push_through_fake, dp * tp, dp, tp, kind)
+def test_push_delivers_every_weight_exactly_to_every_engine_tp_rank(sglang, kind, dp, tp, tmp_path):
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(push_config()).save_pretrained(tmp_path)
+    results = run_ranks(push_through_fake, dp * tp, str(tmp_path), dp, tp, kind)
     owners = [r for r in results if r is not None]
     assert len(owners) == dp  # one engine per TP group, on the group's first rank
     assert sorted(r["port"] for r in owners) == sorted(30000 + r["gpu"] for r in owners)

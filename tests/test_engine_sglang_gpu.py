@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 import train
 from workers import free_port
@@ -39,9 +39,9 @@ def rollout(engine, cfg, prompts):
     return samples
 
 
-def mismatch(model, samples, cfg):
+def mismatch(model, samples, cfg, tp_mesh):
     with torch.no_grad():
-        trainer, _ = train.response_logprobs(model, samples, cfg, pad_id=0)
+        trainer, _ = train.response_logprobs(model, samples, cfg, tp_mesh, pad_id=0)
     if hasattr(model, "reshard"):
         model.reshard()  # FSDP2 leaves root parameters unsharded after a forward; the push and the edits below
         # must see the sharded fp32 masters
@@ -63,11 +63,14 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
         torch.cuda.set_device(0)
         dist.init_process_group("nccl", rank=0, world_size=1)
     device = torch.device("cuda", 0)
-    config = gpu_config()
     torch.manual_seed(0)
-    state = {k: v.clone() for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    reference = AutoModelForCausalLM.from_config(gpu_config())
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    reference.save_pretrained(tmp_path / "model")
+    config = AutoConfig.from_pretrained(tmp_path / "model")  # a checkpoint's config names its class, as SGLang needs
     mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp", "tp"))
-    model = train.build_model(config, mesh, device, state)
+    model = train.build_model(config, mesh, device)
+    train.load_weights([model], train.Config(model=str(tmp_path / "model")), config)
     cfg = train.Config(out_dir=str(tmp_path), mem_fraction=0.3, engine_port=free_port(), max_new_tokens=64,
                        temperature=1.0, top_p=1.0, bucket_mb=1)
     g = torch.Generator().manual_seed(1)
@@ -80,7 +83,7 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
         train.push_weights(model, engine, cfg.bucket_mb, mesh["tp"].get_group())
         push_s = time.perf_counter() - timer
         samples = rollout(engine, cfg, prompts)
-        first = mismatch(model, samples, cfg)
+        first = mismatch(model, samples, cfg, mesh["tp"])
         print(f"\npush {push_s:.3f}s; first push: mean |dlogp| {first[0]:.4f}, max {first[1]:.4f} "
               f"over {sum(len(s['ids']) for s in samples)} tokens")
         assert first[0] < MEAN_TOL and first[1] < MAX_TOL
@@ -95,7 +98,7 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
                 local.add_(torch.randn_like(local) * 0.05)
         train.push_weights(model, engine, cfg.bucket_mb, mesh["tp"].get_group())
         samples = rollout(engine, cfg, prompts)
-        second, stale = mismatch(model, samples, cfg), mismatch(old, samples, cfg)
+        second, stale = mismatch(model, samples, cfg, mesh["tp"]), mismatch(old, samples, cfg, mesh["tp"])
         print(f"second push: mean {second[0]:.4f}, max {second[1]:.4f}; against the old policy (a stale push): "
               f"mean {stale[0]:.4f}, max {stale[1]:.4f}")
         assert second[0] < MEAN_TOL and second[1] < MAX_TOL
@@ -114,10 +117,11 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
               f"release freed {freed / GiB:.2f} GiB; resume took {taken / GiB:.2f} GiB")
         assert freed > 256 << 20 and freed > 0.8 * static
         assert taken > 0.8 * freed
-        third = mismatch(model, rollout(engine, cfg, prompts), cfg)  # weights pushed after the resume are live
+        # Weights pushed after the resume are live.
+        third = mismatch(model, rollout(engine, cfg, prompts), cfg, mesh["tp"])
         print(f"after release and resume: mean {third[0]:.4f}, max {third[1]:.4f}")
         assert third[0] < MEAN_TOL and third[1] < MAX_TOL
     finally:
-        engine.shutdown()
+        engine.engine.shutdown()
         if created_group:
             dist.destroy_process_group()

@@ -1,10 +1,11 @@
-"""Sharded (FSDP2 over dp, DTensor TP over tp) against an unsharded model: logits, gradient norm, weights after
-a step (so the gradients), and the gathered full state dict, on meshes (2,1), (1,2), (2,2)."""
+"""Sharded (FSDP2 over dp, DTensor TP over tp) against an unsharded model: loading, logits, gradient norm, weights
+after a step (so the gradients), and the gathered full state dict, on meshes (2,1), (1,2), (2,2); micro-batches,
+fixed or by token budget, against the whole batch."""
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
 import train
 from workers import run_ranks
@@ -18,6 +19,21 @@ def tiny_config(family, tied):
     if family == "qwen3":
         return Qwen3Config(head_dim=8, **common)  # Qwen3Config defaults head_dim to 128
     return Qwen2Config(**common)
+
+
+def save_reference(folder, family, tied, shard_size="20KB"):
+    """A seeded random model saved as HF does it, in several safetensors files; returns the folder."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(family, tied)).save_pretrained(folder, max_shard_size=shard_size)
+    return str(folder)
+
+
+def sharded_model(folder, mesh, activation_checkpointing=False):
+    """The trainer's way: built on the meta device, sharded, then the checkpoint streamed in file by file."""
+    config = AutoConfig.from_pretrained(folder)
+    model = train.build_model(config, mesh, torch.device("cpu"), activation_checkpointing)
+    train.load_weights([model], train.Config(model=folder), config)
+    return model
 
 
 def make_samples(n, seed):
@@ -63,14 +79,11 @@ def make_optimizer(name, params, lr):
     return torch.optim.SGD(params, lr=lr) if name == "sgd" else torch.optim.AdamW(params, lr=lr)
 
 
-def sharded_vs_unsharded(rank, world, family, tied, dp, tp, optimizer_name, max_norm, activation_checkpointing,
+def sharded_vs_unsharded(rank, world, folder, dp, tp, optimizer_name, max_norm, activation_checkpointing,
                          num_minibatches=1):
-    config = tiny_config(family, tied)
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config)
-    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    reference = AutoModelForCausalLM.from_pretrained(folder)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = train.build_model(config, mesh, torch.device("cpu"), state if rank == 0 else {}, activation_checkpointing)
+    model = sharded_model(folder, mesh, activation_checkpointing)
     lr = 0.1 if optimizer_name == "sgd" else 1e-3
     optimizer = make_optimizer(optimizer_name, model.parameters(), lr)  # before the first forward
 
@@ -83,7 +96,9 @@ def sharded_vs_unsharded(rank, world, family, tied, dp, tp, optimizer_name, max_
     share = len(samples) // dp
     per_rank = [samples[r * share:(r + 1) * share] for r in range(dp)]
     model.train()
-    sums = train.train_on_rollouts(model, optimizer, per_rank[mesh["dp"].get_local_rank()], cfg, mesh, 0)
+    mine = per_rank[mesh["dp"].get_local_rank()]
+    train.store_logprobs(model, mine[len(mine) // num_minibatches:], "old_logp", cfg, mesh, 0)
+    sums = train.train_on_rollouts(model, optimizer, mine, cfg, mesh, 0)
     # Mini-batch m of the whole batch is the m-th slice of every rank's share.
     size = share // num_minibatches
     minibatches = [sum((part[m * size:(m + 1) * size] for part in per_rank), []) for m in range(num_minibatches)]
@@ -101,9 +116,10 @@ MESHES = [(2, 1), (1, 2), (2, 2)]
 
 @pytest.mark.parametrize("dp,tp", MESHES)
 @pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("qwen3", False)])
-def test_sharded_step_matches_unsharded(dp, tp, family, tied):
+def test_sharded_step_matches_unsharded(dp, tp, family, tied, tmp_path):
     # max_norm 0.05 is below the gradient norm, so the 2-D clipping path scales the gradients.
-    result = run_ranks(sharded_vs_unsharded, dp * tp, family, tied, dp, tp, "sgd", 0.05, False)[0]
+    folder = save_reference(tmp_path, family, tied)
+    result = run_ranks(sharded_vs_unsharded, dp * tp, folder, dp, tp, "sgd", 0.05, False)[0]
     assert result["keys"][0] == result["keys"][1]  # HF names, tied lm_head included
     assert result["logits"] < 1e-5
     sharded_norm, ref_norm = result["norm"]
@@ -111,42 +127,128 @@ def test_sharded_step_matches_unsharded(dp, tp, family, tied):
     assert result["weights"] < 1e-5
 
 
-def test_activation_checkpointing_keeps_the_step_exact():
-    result = run_ranks(sharded_vs_unsharded, 4, "qwen3", False, 2, 2, "sgd", 1e9, True)[0]
+def test_activation_checkpointing_keeps_the_step_exact(tmp_path):
+    result = run_ranks(sharded_vs_unsharded, 4, save_reference(tmp_path, "qwen3", False), 2, 2, "sgd", 1e9, True)[0]
     assert result["logits"] < 1e-5 and result["weights"] < 1e-5
 
 
-def test_two_minibatches_take_two_steps_with_the_ratio_against_the_sampling_policy():
-    result = run_ranks(sharded_vs_unsharded, 4, "qwen3", True, 2, 2, "sgd", 0.05, False, 2)[0]
+def test_two_minibatches_take_two_steps_with_the_ratio_against_the_sampling_policy(tmp_path):
+    folder = save_reference(tmp_path, "qwen3", True)
+    result = run_ranks(sharded_vs_unsharded, 4, folder, 2, 2, "sgd", 0.05, False, 2)[0]
     assert result["weights"] < 1e-5
     sharded_norm, ref_norm = result["norm"]
     assert sharded_norm == pytest.approx(ref_norm, rel=1e-5)
 
 
-def test_adamw_under_2d_sharding_matches_unsharded():
+def test_adamw_under_2d_sharding_matches_unsharded(tmp_path):
     # AdamW's first step is lr * sign(g) for every weight, which amplifies 1e-7 gradient noise where g ~ 0:
     # a tolerance of 0.2 * lr still catches a weight that is not updated at all (off by lr).
-    result = run_ranks(sharded_vs_unsharded, 4, "qwen2", True, 2, 2, "adamw", 1e9, False)[0]
+    result = run_ranks(sharded_vs_unsharded, 4, save_reference(tmp_path, "qwen2", True), 2, 2, "adamw", 1e9, False)[0]
     assert result["weights"] < 0.2 * 1e-3
 
 
-def accumulation(rank, world, micro_batch_size, loss_agg):
-    config = tiny_config("qwen2", True)
-    torch.manual_seed(0)
-    state = AutoModelForCausalLM.from_config(config).state_dict()
+def accumulation(rank, world, folder, loss_agg, flags):
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
-    model = train.build_model(config, mesh, torch.device("cpu"), state if rank == 0 else {})
+    model = sharded_model(folder, mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     samples = make_samples(12, seed=2)[rank * 6:(rank + 1) * 6]
-    cfg = train.Config(micro_batch_size=micro_batch_size, max_grad_norm=0.0, loss_agg=loss_agg)
+    cfg = train.Config(max_grad_norm=0.0, loss_agg=loss_agg, max_new_tokens=16, **flags)
     train.train_on_rollouts(model, optimizer, samples, cfg, mesh, 0)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: v.numpy().copy() for k, v in full.items()}  # numpy crosses the queue by value
 
 
-@pytest.mark.parametrize("loss_agg", ["token", "sequence"])
-def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_agg):
-    full = run_ranks(accumulation, 2, 6, loss_agg)[0]
-    for micro in (1, 4):  # 4 leaves a ragged last micro-batch of 2
-        split = run_ranks(accumulation, 2, micro, loss_agg)[0]
-        assert max(abs(split[k] - full[k]).max() for k in full) < 1e-6
+@pytest.mark.parametrize("loss_agg", ["token", "sequence", "constant"])
+def test_micro_batches_fixed_or_by_token_budget_accumulate_to_the_full_batch_gradient(loss_agg, tmp_path):
+    folder = save_reference(tmp_path, "qwen2", True)
+    full = run_ranks(accumulation, 2, folder, loss_agg, dict(micro_batch_size=6))[0]
+    # 4 leaves a ragged last micro-batch of 2; budgets of 12 and 30 tokens pack 1 to 3 sequences of 4 to 12 tokens,
+    # and the two ranks need different numbers of micro-batches before they are equalised.
+    for flags in (dict(micro_batch_size=1), dict(micro_batch_size=4), dict(max_tokens_per_microbatch=12),
+                  dict(max_tokens_per_microbatch=30)):
+        split = run_ranks(accumulation, 2, folder, loss_agg, flags)[0]
+        assert max(abs(split[k] - full[k]).max() for k in full) < 1e-6, flags
+        assert max(abs(split[k] - expected).max() for k, expected in initial_weights(folder).items()) > 1e-3
+
+
+def initial_weights(folder):
+    return {k: v.numpy() for k, v in AutoModelForCausalLM.from_pretrained(folder).state_dict().items()}
+
+
+def lengths_of(batches):
+    return [[len(s["prompt_ids"]) + len(s["ids"]) for s in batch] for batch in batches]
+
+
+def budget_batches(rank, world, budget):
+    g = torch.Generator().manual_seed(rank)
+    # Lengths vary 10x: rank 0 has mostly short sequences, rank 1 mostly long ones.
+    samples = [{"prompt_ids": [1] * 5, "ids": [2] * int(torch.randint(5, 50 if rank else 15, (1,), generator=g))}
+               for _ in range(16)]
+    batches = train.micro_batches(samples, train.Config(max_tokens_per_microbatch=budget))
+    return lengths_of([samples]), lengths_of(batches)
+
+
+def test_token_budget_micro_batches_pack_length_ranges_within_the_budget_as_many_on_every_rank():
+    budget = 120
+    results = run_ranks(budget_batches, 2, budget)
+    for (given,), batches in results:
+        assert sorted(sum(batches, [])) == sorted(given)  # every sequence once
+        assert all(len(batch) * max(batch) <= budget or len(batch) == 1 for batch in batches)
+        for a in batches:  # each micro-batch holds a range of lengths that no other interleaves
+            assert all(min(a) >= max(b) or min(b) >= max(a) for b in batches if b is not a)
+    assert len(results[0][1]) == len(results[1][1])
+    assert len(train_greedy_count(results[0][0][0], budget)) != len(train_greedy_count(results[1][0][0], budget))
+
+
+def train_greedy_count(lengths, budget):
+    """Greedy packing of the sorted lengths alone, before the ranks agree on a count."""
+    batches = []
+    for n in sorted(lengths, reverse=True):
+        if batches and (len(batches[-1]) + 1) * batches[-1][0] <= budget:
+            batches[-1].append(n)
+        else:
+            batches.append([n])
+    return batches
+
+
+def padding_fraction(batches):
+    tokens = sum(sum(batch) for batch in batches)
+    return 1 - tokens / sum(len(batch) * max(batch) for batch in batches)
+
+
+def test_token_budget_cuts_padding_when_lengths_vary_tenfold():
+    g = torch.Generator().manual_seed(0)
+    samples = [{"prompt_ids": [1] * 10, "ids": [2] * int(torch.randint(20, 200, (1,), generator=g))}
+               for _ in range(64)]
+    fixed = lengths_of(train.micro_batches(samples, train.Config(micro_batch_size=8)))
+    run = run_ranks(lambda rank, world: padding_fraction(lengths_of(
+        train.micro_batches(samples, train.Config(max_tokens_per_microbatch=8 * 210)))), 1)[0]
+    assert padding_fraction(fixed) > 0.3 and run < padding_fraction(fixed) / 3
+
+
+def loaded_state(rank, world, folder, dp, tp):
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    full = get_model_state_dict(sharded_model(folder, mesh), options=StateDictOptions(full_state_dict=True))
+    return {k: v.numpy().copy() for k, v in full.items()}
+
+
+@pytest.mark.parametrize("dp,tp", [(1, 1)] + MESHES)
+@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen3", False)])
+def test_streamed_meta_device_loading_gives_the_weights_of_a_plain_load(dp, tp, family, tied, tmp_path):
+    folder = save_reference(tmp_path, family, tied)
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2  # the stream really has several files
+    plain = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    loaded = run_ranks(loaded_state, dp * tp, folder, dp, tp)[0]
+    assert sorted(loaded) == sorted(plain)
+    assert all((torch.from_numpy(loaded[k]) == plain[k]).all() for k in plain)  # bit for bit
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(tmp_path):
+    folder = save_reference(tmp_path, "qwen2", False)
+    from safetensors.torch import load_file, save_file
+    last = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    tensors = load_file(last)
+    dropped = sorted(tensors)[0]
+    save_file({k: v for k, v in tensors.items() if k != dropped}, last, metadata={"format": "pt"})
+    with pytest.raises(AssertionError, match=dropped.replace(".", r"\.")):
+        run_ranks(loaded_state, 2, folder, 2, 1)

@@ -6,6 +6,7 @@ import shutil
 import time
 
 import pytest
+from transformers import Qwen2Config
 
 import reward
 import train
@@ -57,7 +58,7 @@ def test_raising_and_hanging_rewards_score_zero_and_the_rest_score_normally(bad_
     finally:
         seconds = time.perf_counter() - start
         pool.terminate()
-    assert rewards.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 0.5]
+    assert rewards == [1.0, 0.0, 1.0, 0.0, 0.0, 0.5]
     assert len(errors) == 3
     assert "a bug in the user's reward" in errors[0] and "TimeoutError" in errors[1]
     assert "did not return" in errors[2]  # unreachable by SIGALRM: given up at the batch's deadline
@@ -85,7 +86,7 @@ def test_a_failing_reward_fn_does_not_stop_training(tmp_path):
 
 def test_heads_that_do_not_divide_by_tp_are_refused_before_loading(tmp_path):
     tokenizer = train.char_tokenizer()
-    config = train.tiny_model_config(len(tokenizer))
+    config = Qwen2Config(vocab_size=len(tokenizer), **train.TINY_MODEL)
     config.num_attention_heads, config.num_key_value_heads = 6, 3  # 3 KV heads cannot be split in two
     config.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)

@@ -35,7 +35,7 @@ def test_cpu_preset_learns_the_toy_reward(tmp_path):
     # Engine and trainer hold the same weights after every push: their logprobs agree on every step.
     assert max(r["mismatch_abs"] for r in rows) < 1e-4
     for key in ("accuracy", "response_len", "truncated", "clip_frac", "grad_norm", "lr", "tokens_per_s",
-                "time_generate", "time_reward", "time_logprobs", "time_train", "time_push", "reward_errors"):
+                "time_rollout", "time_train", "time_push", "reward_errors", "groups_dropped"):
         assert all(key in r for r in rows), key
     # Held-out evaluation every 10 steps on 16 prompts. The trained model says only "a": every answer is right.
     evals = [r for r in rows if "eval_greedy_acc" in r]
@@ -67,3 +67,23 @@ def test_bad_flag_exits_before_loading_a_model(tmp_path):
 def test_train_py_stays_under_1000_lines():
     with open(os.path.join(ROOT, "train.py")) as f:
         assert len(f.readlines()) < 1000
+
+
+def test_dapo_and_dr_grpo_settings_run_end_to_end(tmp_path):
+    """DAPO: token-mean loss, clip-higher, dynamic sampling, the soft overlong penalty, token-budget micro-batches;
+    with the k1 KL to a CPU-kept reference subtracted from the reward. Then Dr. GRPO: constant normaliser, no std."""
+    dapo = tmp_path / "dapo"
+    run = torchrun(2, "--preset", "cpu", "--steps", "4", "--eval_every", "0", "--loss_agg", "token",
+                   "--clip_high", "0.28", "--dynamic_sampling_rounds", "3", "--overlong_buffer", "4",
+                   "--max_tokens_per_microbatch", "200", "--beta", "0.05", "--kl_in_reward", "true",
+                   "--kl_estimator", "k1", "--ref_on_cpu", "true", "--out_dir", str(dapo))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(dapo)
+    assert len(rows) == 4 and all("groups_dropped" in r for r in rows)
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-9) and rows[-1]["kl"] != 0  # k1 can be negative
+    dr_grpo = tmp_path / "dr_grpo"
+    run = torchrun(2, "--preset", "cpu", "--steps", "6", "--eval_every", "0", "--loss_agg", "constant",
+                   "--scale_std", "false", "--lr", "0.1", "--out_dir", str(dr_grpo))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(dr_grpo)
+    assert rows[-1]["reward"] > rows[0]["reward"]
