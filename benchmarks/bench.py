@@ -15,19 +15,17 @@ import os
 import sys
 import tempfile
 import time
-import weakref
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import train  # noqa: E402
+from live_logits import LiveLogits  # noqa: E402
 from workers import run_ranks  # noqa: E402
 
 VOCAB = 151_936  # Qwen2 / Qwen2.5 / Qwen3
@@ -89,24 +87,6 @@ def padding_fractions():
 
 
 # ----------------------------------------------------------------------------- logits
-class LiveLogits(TorchDispatchMode):
-    """The peak bytes of [*, width] tensors alive at once that own their memory: views, broadcasts (stride 0) and
-    lm_head's [hidden, width] weight aside."""
-
-    def __init__(self, width, hidden):
-        super().__init__()
-        self.width, self.hidden, self.live, self.peak = width, hidden, weakref.WeakSet(), 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if (isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == self.width and t.shape[0] != self.hidden
-                    and t._base is None and 0 not in t.stride()):
-                self.live.add(t)
-        self.peak = max(self.peak, sum(t.numel() * t.element_size() for t in self.live))
-        return out
-
-
 def naive_logprobs(hidden, weight, targets):
     """Full-vocabulary log_softmax over every token at once: what a trainer without chunks does."""
     logits = (hidden @ weight.T).float()

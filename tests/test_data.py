@@ -139,12 +139,17 @@ def check_gsm8k_item(item):
     assert reward.reward_fn("So the farm has \\boxed{1235} hens.", item) == 0.0
 
 
-def test_gsm8k_from_a_local_folder_of_jsonl_splits(tmp_path, datasets_cache):
-    folder = tmp_path / "gsm8k"
+def jsonl_splits(folder, train_rows, test_rows):
+    """A local dataset folder as users write one: train.jsonl and test.jsonl."""
     folder.mkdir()
-    (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in GSM8K_ROWS))
-    (folder / "test.jsonl").write_text(json.dumps(GSM8K_ROWS[1]) + "\n")
-    cfg = train.Config(task="gsm8k", data_path=str(folder), prompts_per_step=1)
+    for name, rows in (("train", train_rows), ("test", test_rows)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(folder)
+
+
+def test_gsm8k_from_a_local_folder_of_jsonl_splits(tmp_path, datasets_cache):
+    folder = jsonl_splits(tmp_path / "gsm8k", GSM8K_ROWS, GSM8K_ROWS[1:])
+    cfg = train.Config(task="gsm8k", data_path=folder, prompts_per_step=1)
     dataset = train.PromptDataset(cfg, "train")
     assert len(dataset) == 2
     check_gsm8k_item(dataset[0])
@@ -173,11 +178,8 @@ MATH_ROWS = [
 
 
 def test_math_from_a_local_folder_takes_the_last_boxed_answer_of_the_solution(tmp_path, datasets_cache):
-    folder = tmp_path / "math"
-    folder.mkdir()
-    (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in MATH_ROWS))
-    (folder / "test.jsonl").write_text(json.dumps(MATH_ROWS[1]) + "\n")
-    cfg = train.Config(task="math", data_path=str(folder), prompts_per_step=2)
+    folder = jsonl_splits(tmp_path / "math", MATH_ROWS, MATH_ROWS[1:])
+    cfg = train.Config(task="math", data_path=folder, prompts_per_step=2)
     first, second = train.PromptDataset(cfg, "train")
     assert (first["task"], first["answer"], second["answer"]) == ("math", "\\frac{1}{2}", "\\sqrt{2}")
     message = first["prompt"][0]

@@ -1,17 +1,16 @@
 """Advantages, loss, KL, entropy, log-probs and the schedule against float64 references written from the formulas."""
 import math
 import statistics
-import weakref
 
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 import train
 from test_parallel import VOCAB, make_samples, save_reference, sharded_model, tiny_config
+from live_logits import LiveLogits
 from workers import run_ranks
 
 
@@ -191,23 +190,6 @@ def test_chunked_logprobs_and_entropy_equal_the_full_softmax(chunk, temperature)
     assert same_shape and logp_error < 1e-5 and entropy_error < 1e-5
 
 
-class LiveLogits(TorchDispatchMode):
-    """The peak, in elements, of the plain tensors of shape [*, width] alive at once, forward and backward; but not
-    [hidden, width], lm_head's weight transposed."""
-
-    def __init__(self, width, hidden):
-        super().__init__()
-        self.width, self.hidden, self.live, self.peak = width, hidden, weakref.WeakSet(), 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if type(t) is torch.Tensor and t.dim() == 2 and t.shape[1] == self.width and t.shape[0] != self.hidden:
-                self.live.add(t)
-        self.peak = max(self.peak, sum(t.numel() for t in self.live))
-        return out
-
-
 def peak_logits(rank, world, chunk, n, tp):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2", False))
@@ -224,12 +206,12 @@ def peak_logits(rank, world, chunk, n, tp):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_logits_stay_within_a_few_chunks_of_this_ranks_vocabulary_slice(tp):
-    width = VOCAB // tp
+    chunk_bytes = 2 * (VOCAB // tp) * 4  # fp32 logits of a chunk of 2 tokens over this rank's vocabulary slice
     peak, tokens = run_ranks(peak_logits, tp, 2, 16, tp)[0]
     assert run_ranks(peak_logits, tp, 2, 48, tp)[0][0] == peak  # the same for three times the tokens
     unchunked, _ = run_ranks(peak_logits, tp, 10_000, 16, tp)[0]
-    assert unchunked >= tokens * width > 3 * 8 * 2 * width  # the measure sees whole-batch logits when they exist
-    assert 0 < peak <= 8 * 2 * width  # a handful of [chunk, V / tp] temporaries, whatever the number of tokens
+    assert unchunked >= tokens / 2 * chunk_bytes > 3 * 8 * chunk_bytes  # whole-batch logits show when they exist
+    assert 0 < peak <= 8 * chunk_bytes  # a handful of chunk-sized temporaries, whatever the number of tokens
 
 
 def vocab_sharded(rank, world, vocab, tp):
