@@ -11,8 +11,7 @@ Launch:
 Edit two places: `PromptDataset.__getitem__` below (what a prompt is and what the reward needs) and
 `reward_fn` in reward.py (how a completion is scored). Every flag is a field of `Config`.
 
-GRPO, Dr. GRPO and DAPO are flag settings (README has them with the papers' equations); logprobs are those of
-logits / temperature, the distribution the engine samples from.
+GRPO, Dr. GRPO and DAPO are flag settings (README); logprobs are of logits / temperature, as the engine samples.
 """
 import datetime
 import functools
@@ -152,6 +151,7 @@ def check_config(cfg, world):
          f"--num_minibatches {cfg.num_minibatches} must divide the {samples} samples per rank (prompts / dp * G)"),
         (cfg.group_size < 2, "--group_size must be at least 2: advantages compare samples of one prompt"),
         (cfg.kl_in_reward and cfg.beta <= 0, "--kl_in_reward needs --beta above 0: beta scales the KL penalty"),
+        (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
         (sglang and importlib.util.find_spec("sglang") is None,
          "--engine sglang needs SGLang: pip install -r requirements.txt (sglang==0.5.23), or use --engine hf"),
         (sglang and not torch.cuda.is_available(), "--engine sglang needs a CUDA GPU: use --engine hf here"),
@@ -451,8 +451,7 @@ class SGLangEngine:
         torch.cuda.ipc_collect()
 
     @staticmethod
-    def check(result):
-        """SGLang reports a failed weight update as (False, message) rather than raising."""
+    def check(result):  # SGLang reports a failed weight update as (False, message) rather than raising
         ok, message = result
         if not ok:
             raise RuntimeError(f"SGLang weight update failed: {message}")
@@ -548,19 +547,18 @@ def score(pool, samples, rows, tokenizer, cfg):
 
 def collect_rollouts(engine, pool, dataset, tokenizer, cfg, step, mesh):
     """G samples per prompt with their "reward" (score + overlong penalty), reward_fn's tracebacks, and the groups
-    dropped: dynamic sampling drops groups of equal rewards (no gradient) and samples more rounds of prompts."""
+    dropped: dynamic sampling drops groups of equal scores (no gradient) and samples more rounds of prompts."""
     dp_rank, dp, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["tp"].get_group()
     kept, dropped, errors = [], [], []
     for round in range(cfg.dynamic_sampling_rounds + 1):
         rows = step_rows(dataset, step, cfg, dp_rank, dp, round)
-        seed = hash((cfg.seed, step, round, dp_rank))
-        samples, failed = generate_rollouts(engine, pool, tokenizer, rows, cfg, seed, tp_group, cfg.group_size,
-                                            cfg.temperature)
+        samples, failed = generate_rollouts(engine, pool, tokenizer, rows, cfg, hash((cfg.seed, step, round, dp_rank)),
+                                            tp_group, cfg.group_size, cfg.temperature)
         errors += failed
         for s in samples:
             s["reward"] = s["score"] + reward.overlong_penalty(len(s["ids"]), cfg.max_new_tokens, cfg.overlong_buffer)
         for group in (samples[i:i + cfg.group_size] for i in range(0, len(samples), cfg.group_size)):
-            equal = len({s["reward"] for s in group}) == 1
+            equal = len({s["score"] for s in group}) == 1  # as DAPO: on reward_fn's score, not the shaping
             (dropped if equal and cfg.dynamic_sampling_rounds else kept).append(group)
         if len(kept) >= len(rows):
             break
@@ -830,7 +828,7 @@ def save_checkpoint(cfg, step, model, optimizer, scheduler, tokenizer, wandb_id)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:  # config and safetensors files of 5 GB at most, which load_weights streams one at a time
-        model.save_pretrained(os.path.join(tmp, "hf"), state_dict=full)
+        model.save_pretrained(os.path.join(tmp, "hf"), state_dict=full, max_shard_size="5GB")
         tokenizer.save_pretrained(os.path.join(tmp, "hf"))
         state = {"step": step, "scheduler": scheduler.state_dict(), "wandb_id": wandb_id}
         pathlib.Path(tmp, "trainer_state.json").write_text(json.dumps(state))
@@ -941,15 +939,17 @@ def main():
             reward_failed = reward_failed or bool(errors)
             # --- log-probs before the update: the reference's, and the policy's for mini-batches after the first
             timer = time.perf_counter()
-            store_logprobs(model, samples[len(samples) // cfg.num_minibatches:], "old_logp", cfg, mesh, pad_id)
+            first = 0 if cfg.kl_in_reward else len(samples) // cfg.num_minibatches
+            store_logprobs(model, samples[first:], "old_logp", cfg, mesh, pad_id)
             if ref_model is not None:
                 store_logprobs(ref_model, samples, "ref_logp", cfg, mesh, pad_id)
-            # --- advantages within each group of G samples of one prompt (--kl_in_reward: from reward - beta x KL)
-            for sample in samples if cfg.kl_in_reward else []:  # the sampling policy's log-probs: the engine's
-                log_ratio = torch.tensor(sample["logprobs"]) - sample["ref_logp"].cpu()
-                sample["reward"] -= cfg.beta * KL_ESTIMATORS[cfg.kl_estimator](log_ratio).sum().item()
-            rewards = torch.tensor([s["reward"] for s in samples])
-            for sample, advantage in zip(samples, group_advantages(rewards, cfg.group_size, cfg.scale_std).tolist()):
+                ref_model.reshard()  # FSDP keeps root parameters whole after a forward that has no backward
+            # --- advantages in each group of G; --kl_in_reward: minus beta x summed KL, centred, not std-scaled
+            advantages = group_advantages(torch.tensor([s["reward"] for s in samples]), cfg.group_size, cfg.scale_std)
+            if cfg.kl_in_reward:
+                kl = [KL_ESTIMATORS[cfg.kl_estimator](s["old_logp"] - s["ref_logp"]).sum().item() for s in samples]
+                advantages -= cfg.beta * group_advantages(torch.tensor(kl), cfg.group_size, scale_std=False)
+            for sample, advantage in zip(samples, advantages.tolist()):
                 sample["advantage"] = advantage
             # --- loss and update
             sums = train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id)

@@ -405,6 +405,7 @@ def test_unknown_preset_names_the_flag():
     (dict(loss_agg="constant", beta=-0.1), 1, "--beta"),
     (dict(kl_in_reward=True), 1, "--kl_in_reward"),  # beta 0: nothing to subtract
     (dict(overlong_buffer=-1), 1, "--overlong_buffer"),
+    (dict(overlong_buffer=2000, max_new_tokens=1024), 1, "--overlong_buffer"),
     (dict(dynamic_sampling_rounds=-2), 1, "--dynamic_sampling_rounds"),
     (dict(max_tokens_per_microbatch=-1), 1, "--max_tokens_per_microbatch"),
 ])
