@@ -330,10 +330,10 @@ def load_weights(models, cfg, model_config):
         files = sorted(glob.glob(os.path.join(folder, "model*.safetensors")))
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     loaded = set()
+    torch.manual_seed(cfg.seed)
     for part in on_first_rank(lambda: files):
         state = {}
         if dist.get_rank() == 0:
-            torch.manual_seed(cfg.seed)
             state = load_file(part) if part else AutoModelForCausalLM.from_config(model_config).state_dict()
         loaded |= state.keys()
         for model in models:  # a shallow copy: set_model_state_dict replaces the dict's entries with their shards
@@ -440,7 +440,7 @@ class SGLangEngine:
                 # One serialization per engine TP rank: each rank opens (and releases) its own IPC handles.
                 per_rank = [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(self.tp)]
                 self.check(self.engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket",
-                                                             flush_cache=False))
+                                                                  flush_cache=False))
         finally:  # an open session would refuse the next push
             if session:
                 self.check(self.engine.end_weight_update())
@@ -508,7 +508,7 @@ def generate_rollouts(engine, pool, tokenizer, rows, cfg, seed, tp_group, n, tem
     scores, errors = on_first_rank(lambda: score(pool, samples, rows, tokenizer, cfg), tp_group)
     for prompt, sample, value in zip(repeated, samples, scores):
         # Finish from the last token, the same for every engine (SGLang versions disagree on a stop at the limit).
-        finish = "stop" if sample["ids"][-1:] in ([t] for t in stop_ids) else "length"
+        finish = "stop" if sample["ids"] and sample["ids"][-1] in stop_ids else "length"
         sample.update(prompt_ids=prompt, score=value, finish=finish)
     return samples, errors
 
@@ -596,7 +596,7 @@ def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
 
 def response_logprobs(model, samples, cfg, tp_mesh, pad_id):
     """Log-probs and entropies of the response tokens, flat over the samples [N_tokens]. lm_head takes chunks of
-    --logprob_chunk tokens, each recomputed in backward: one chunk of fp32 logits is alive at a time."""
+    --logprob_chunk tokens, each recomputed in backward: one chunk's fp32 logits (and temporaries) live at a time."""
     seqs, device = [s["prompt_ids"] + s["ids"] for s in samples], torch.device(tp_mesh.device_type)
     width = max(map(len, seqs))
     ids = torch.tensor([q + [pad_id] * (width - len(q)) for q in seqs], device=device)  # right-padded
@@ -722,8 +722,7 @@ def flat(samples, key, device):
 def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id):
     """--num_minibatches optimizer steps; metric sums over this rank's tokens. The ratio's denominator is the
     sampling policy: the first mini-batch's own logprobs (detached), the later ones' "old_logp"."""
-    keys = ("clip_frac", "kl", "entropy", "tokens", "mismatch_abs", "mismatch_kl", "skipped_steps", "grad_norm")
-    sums = dict.fromkeys(keys, 0.0)  # the same keys on every rank: they are all-reduced
+    sums = defaultdict(float)  # every rank runs as many micro-batches, so it adds the same keys in the same order
     per_minibatch, device = len(samples) // cfg.num_minibatches, model.device
     for m in range(cfg.num_minibatches):
         minibatch = samples[m * per_minibatch:(m + 1) * per_minibatch]
@@ -761,11 +760,12 @@ def lr_factor(step, cfg):
 
 
 # ----------------------------------------------------------------------------- logging
-def reduce_over_ranks(sums, maxes, mesh, device):
-    """Sums and maxima over all ranks; the tp ranks of one dp group hold the same values, so sums count once."""
-    total = torch.tensor([float(v) for v in sums.values()], dtype=torch.float64, device=device)  # same keys everywhere
+def reduce_over_ranks(sums, maxes, mesh):
+    """Sums and maxima over all ranks, in the same key order on each (a few numbers: gloo); the tp ranks of one dp
+    group hold the same values, so sums count once."""
+    total = torch.tensor([float(v) for v in sums.values()], dtype=torch.float64)
     dist.all_reduce(total)
-    top = torch.tensor([float(v) for v in maxes.values()], dtype=torch.float64, device=device)
+    top = torch.tensor([float(v) for v in maxes.values()], dtype=torch.float64)
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     return dict(zip(sums, (total / mesh["tp"].size()).tolist())), dict(zip(maxes, top.tolist()))
 
@@ -796,7 +796,7 @@ def log_step(step, m, cfg, wandb_run):
 
 
 # ----------------------------------------------------------------------------- eval
-def evaluate(engine, tokenizer, test_set, pool, cfg, mesh, device):
+def evaluate(engine, tokenizer, test_set, pool, cfg, mesh):
     """Greedy accuracy, mean@k and pass@k (of k samples at --eval_temperature) on --eval_prompts held-out prompts."""
     dp_rank, dp, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["tp"].get_group()
     rows = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
@@ -808,7 +808,7 @@ def evaluate(engine, tokenizer, test_set, pool, cfg, mesh, device):
         sampled = right(cfg.eval_k, cfg.eval_temperature)
         sums = {"greedy": right(1, 0.0).sum().item(), "mean_at_k": sampled.float().mean(1).sum().item(),
                 "pass_at_k": sampled.any(1).sum().item(), "prompts": len(rows)}
-    sums, _ = reduce_over_ranks(sums, {}, mesh, device)
+    sums, _ = reduce_over_ranks(sums, {}, mesh)
     n = max(sums.pop("prompts"), 1)
     return {"eval_greedy_acc": sums["greedy"] / n, f"eval_mean@{cfg.eval_k}": sums["mean_at_k"] / n,
             f"eval_pass@{cfg.eval_k}": sums["pass_at_k"] / n, "eval_prompts": n}
@@ -967,12 +967,12 @@ def main():
             maxes = {"response_len_max": max(lengths), "grad_norm": sums.pop("grad_norm"),
                      "skipped_steps": sums.pop("skipped_steps"), **times,
                      "stop": float(stop.is_set())}  # a signal seen by any rank stops all of them after this step
-            sums, maxes = reduce_over_ranks(sums, maxes, mesh, device)
+            sums, maxes = reduce_over_ranks(sums, maxes, mesh)
             stopping = maxes.pop("stop")
             metrics = step_metrics(sums, maxes, scheduler.get_last_lr()[0], time.perf_counter() - start)
             last = step + 1 == cfg.steps
             if cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):
-                metrics.update(evaluate(engine, tokenizer, test_set, pool, cfg, mesh, device))
+                metrics.update(evaluate(engine, tokenizer, test_set, pool, cfg, mesh))
             if rank == 0:
                 log_step(step, metrics, cfg, wandb_run)
             # --- checkpoint; on SIGTERM / Ctrl-C save and stop

@@ -191,11 +191,6 @@ def test_math_from_a_local_folder_takes_the_last_boxed_answer_of_the_solution(tm
     assert [row["answer"] for row in train.PromptDataset(cfg, "test")] == ["\\sqrt{2}"]
 
 
-def test_the_default_datasets_are_the_gsm8k_and_math_hub_ids():
-    assert train.DATASETS == {"gsm8k": "openai/gsm8k", "math": "DigitalLearningGmbH/MATH-lighteval"}
-    assert train.Config().data_path == ""
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # tokenizers and prompt rendering
 
