@@ -1,13 +1,24 @@
-"""Reward functions, one per task: users edit this file to change a reward or add a task.
+"""What a task is: its data, its prompt, its grader; and the code that runs graders safely on model output.
 
-The trainer calls `reward_fn(completion, sample)` once per sampled completion. To add a task, write a function
-that takes the completion string plus the fields it needs and returns a float in [0, 1], then add a branch to
-`reward_fn`. The contract: any string in, a float out, never raises. Completions are hostile input (megabytes of
-text, 10,000 parentheses, `__import__('os')`), so nothing here calls eval, and every scan is linear and capped.
+Users edit this file to change a reward or add a task; it never imports torch, so it can be tested alone.
+
+The trainer calls `reward_fn(completion, sample)` once per sampled completion, in worker processes (`RewardWorkers`
+below). To add a task, write a function that takes the completion string plus the fields it needs and returns a
+float in [0, 1], then add a branch to `reward_fn`. The contract: any string in, a float out, never raises.
+Completions are hostile input (megabytes of text, 10,000 parentheses, `__import__('os')`), so nothing here calls
+eval, and every scan is linear and capped.
 """
 
 import logging
+import math
+import multiprocessing
+import operator
+import os
+import random
 import re
+import signal
+import time
+import traceback
 from fractions import Fraction
 
 # Reward for a parsable countdown expression that is wrong (wrong value or wrong numbers). It is small so it
@@ -30,6 +41,30 @@ _LAST_NUMBER = re.compile(r"(?<![0-9])-?[0-9]+(?:\.[0-9]+)?")  # no lookbehind w
 
 # ----------------------------------------------------------------------------------------------------------------
 # countdown: combine the given numbers with + - * / to reach the target
+
+COUNTDOWN_PROMPT = ("Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic "
+                    "operations (+, -, *, /) and each number must be used exactly once. Show your work in "
+                    "<think> </think> tags. And return the final answer in <answer> </answer> tags, for example "
+                    "<answer> (1 + 2) / 3 </answer>.")
+
+
+_OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+
+
+def countdown_problems(n: int, seed: int) -> list[dict]:
+    """n distinct Countdown problems: 3-4 numbers in 1..99 and a target reachable by construction."""
+    rng = random.Random(seed)
+    problems = {}
+    while len(problems) < n:
+        nums = [rng.randint(1, 99) for _ in range(rng.choice((3, 4)))]
+        order = rng.sample(nums, len(nums))
+        value = Fraction(order[0])
+        for x in order[1:]:
+            value = _OPERATIONS[rng.choice("+-*/")](value, x)
+        if value.denominator == 1 and 0 < value <= 1000:
+            problems[(tuple(sorted(nums)), int(value))] = nums
+    return [{"nums": nums, "target": target} for (_, target), nums in problems.items()]
+
 
 
 def _parse(tokens: list[str], pos: int, depth: int) -> tuple[Fraction, int]:
@@ -89,6 +124,9 @@ def countdown_reward(completion: str, nums: list[int], target: int) -> float:
 
 # ----------------------------------------------------------------------------------------------------------------
 # gsm8k: grade school math word problems with a numeric answer
+
+BOXED_PROMPT = "{question}\nThink step by step, then put the final answer in \\boxed{{}}."  # gsm8k and math
+DATASETS = {"gsm8k": "openai/gsm8k", "math": "DigitalLearningGmbH/MATH-lighteval"}  # --data_path "" reads these
 
 
 def _to_number(text: str) -> Fraction | None:
@@ -181,3 +219,72 @@ def reward_fn(completion: str, sample: dict) -> float:
     if task == "toy":
         return toy_reward(completion, sample["target"])
     raise ValueError(f"unknown task {task!r}: add a branch for it to reward_fn in reward.py")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# task data and prompt templates
+
+# The R1-Zero template, for base models: used when the tokenizer has no chat template, or with --plain_template.
+PLAIN_TEMPLATE = ("A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+                  "The assistant first thinks about the reasoning process in the mind and then provides the user "
+                  "with the answer. The reasoning process and answer are enclosed within <think> </think> and "
+                  "<answer> </answer> tags, respectively, i.e., <think> reasoning process here </think> "
+                  "<answer> answer here </answer>. User: {question} Assistant: <think>")
+
+
+def load_rows(task: str, split: str, data_path: str, train_size: int, test_size: int, seed: int) -> list[dict]:
+    """The raw rows of one split. Countdown and toy rows are generated (the test split first, so they are disjoint),
+    so the default job needs no download; gsm8k and math come from a hub id or a local folder of splits."""
+    if task == "countdown":
+        problems = countdown_problems(test_size + train_size, seed)
+        return problems[:test_size] if split == "test" else problems[test_size:]
+    if task == "toy":
+        return [{"target": "a"}] * (test_size if split == "test" else train_size)
+    import datasets  # only the downloaded tasks need it
+    path = data_path or DATASETS[task]  # a local folder: datasets reads the splits from the file names
+    return list(datasets.load_dataset(path, "main" if path == DATASETS["gsm8k"] else None, split=split))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# running reward_fn on model output: in worker processes, each call cut off after a timeout
+
+
+def _reward_or_error(completion: str, sample: dict, timeout: float) -> tuple[float, str | None]:
+    """In a worker: (score, None), or (0.0, traceback) when reward_fn raises or runs past `timeout` seconds."""
+    def raise_timeout(signum, frame):
+        raise TimeoutError("reward_fn ran past --reward_timeout")
+    signal.signal(signal.SIGALRM, raise_timeout)
+    signal.setitimer(signal.ITIMER_REAL, timeout, 1.0)  # repeats if reward_fn swallows the TimeoutError
+    try:
+        return float(reward_fn(completion, sample)), None
+    except Exception:
+        return 0.0, traceback.format_exc()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+class RewardWorkers:
+    """reward_fn in `workers` forked processes, each in its own session: signals sent to the trainer's process
+    group are the trainer's to act on. Fork them before an engine or signal handlers exist."""
+
+    def __init__(self, workers: int, timeout: float):
+        self.pool = multiprocessing.get_context("fork").Pool(workers, initializer=os.setsid)
+        self.workers, self.timeout = workers, timeout
+
+    def score(self, completions: list[str], samples: list[dict]) -> tuple[list[float], list[str]]:
+        """reward_fn of each completion with its sample; the tracebacks of failed calls (scored 0). A call that
+        SIGALRM cannot cut off (signals blocked in C code) misses the batch's deadline and scores 0."""
+        batch_seconds = self.timeout * math.ceil(len(completions) / self.workers) + 5
+        deadline = time.monotonic() + batch_seconds
+        jobs = [self.pool.apply_async(_reward_or_error, (completion, sample, self.timeout))
+                for completion, sample in zip(completions, samples)]
+        results = []
+        for job in jobs:
+            try:
+                results.append(job.get(timeout=max(0.0, deadline - time.monotonic())))
+            except Exception as error:  # the deadline passed, or an alarm escaped the worker's own handling
+                results.append((0.0, f"reward_fn did not return by the batch's deadline ({error!r})"))
+        return [value for value, _ in results], [error for _, error in results if error]
+
+    def close(self):
+        self.pool.terminate()

@@ -9,7 +9,8 @@ Launch:
     torchrun --nproc_per_node=8 train.py --tp 2                       # GPU: Countdown, Qwen2.5-3B-Instruct
 
 Edit two places: `PromptDataset.__getitem__` below (what a prompt is and what the reward needs) and
-`reward_fn` in reward.py (how a completion is scored). Every flag is a field of `Config`.
+`reward_fn` in reward.py (how a completion is scored; the tasks' data and prompt texts live there too). Every flag
+is a field of `Config`.
 
 GRPO, Dr. GRPO and DAPO are flag settings (README); logprobs are of logits / temperature, as the engine samples.
 """
@@ -19,19 +20,16 @@ import glob
 import importlib.util
 import json
 import math
-import multiprocessing
 import os
 import pathlib
-import random
 import shutil
 import signal
 import string
 import threading
 import time
-import traceback
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import asdict, dataclass
-from fractions import Fraction
+from typing import Literal
 
 from huggingface_hub import snapshot_download
 from safetensors.torch import load_file
@@ -44,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser,
                           PreTrainedTokenizerFast, Qwen2Config)
@@ -57,12 +55,13 @@ import reward
 class Config:
     # model, task and rollout
     model: str = "Qwen/Qwen2.5-3B-Instruct"  # hub id or local folder; "tiny": random tiny Qwen2 + character tokenizer
-    task: str = "countdown"  # countdown | gsm8k | math | toy (README: datasets and what to expect)
+    task: Literal["countdown", "gsm8k", "math", "toy"] = "countdown"  # README: datasets and what to expect
     data_path: str = ""  # gsm8k / math: hub id or a local folder of train.* and test.* (jsonl / parquet); "": default
     train_size: int = 20000  # countdown / toy: problems generated for training
     test_size: int = 500  # countdown / toy: held-out problems, disjoint from training
+    plain_template: bool = False  # R1-Zero's plain prompt even when the tokenizer has a chat template (base models)
     preset: str = ""  # "cpu": tiny model, toy task, small batches; flags given explicitly still win
-    engine: str = "sglang" if torch.cuda.is_available() else "hf"  # hf: HF generate on an unsharded copy (CPU)
+    engine: Literal["sglang", "hf"] = "sglang" if torch.cuda.is_available() else "hf"  # hf: HF generate (CPU)
     mem_fraction: float = 0.5  # sglang: fraction of the GPU's free memory at start for its weights and KV cache
     engine_port: int = 30000  # sglang: each TP group's engine uses engine_port + its first rank's local rank
     keep_engine_memory: bool = False  # sglang: keep weights and KV cache resident while training (debugging)
@@ -75,10 +74,10 @@ class Config:
     # loss (README has the settings of GRPO, Dr. GRPO and DAPO)
     clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
     clip_high: float = 0.28  # and above at 1 + clip_high (clip-higher, DAPO)
-    loss_agg: str = "token"  # token mean (DAPO) | sequence mean, then over sequences (GRPO) | constant (Dr. GRPO)
+    loss_agg: Literal["token", "sequence", "constant"] = "token"  # DAPO's token mean | GRPO's | Dr. GRPO's constant
     scale_std: bool = True  # divide advantages by the group's std (False: Dr. GRPO)
     beta: float = 0.0  # weight of the KL to the initial policy; 0 builds no reference model
-    kl_estimator: str = "k3"  # k1 | k2 | k3: Schulman's estimators of KL(policy || reference) per token
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # Schulman's estimators of KL(policy || reference) per token
     kl_in_reward: bool = False  # subtract beta x the sequence's summed KL from its reward instead of adding a loss
     entropy_coef: float = 0.0  # entropy bonus
     overlong_buffer: int = 0  # > 0: DAPO's soft overlong penalty, 0 down to -1 over the last N tokens of the limit
@@ -88,7 +87,7 @@ class Config:
     # optimisation, parallelism and memory
     steps: int = 200
     lr: float = 1e-6
-    lr_schedule: str = "constant"  # constant | cosine (to 10% of lr at the last step)
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # cosine: down to 10% of lr at the last step
     warmup_steps: int = 10
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -131,86 +130,43 @@ def parse_config(argv=None):
 
 
 def check_config(cfg, world):
-    """Catch bad flags before any model is loaded; each message names the flag to change."""
-    choices = dict(task=("countdown", "gsm8k", "math", "toy"), engine=("sglang", "hf"), kl_estimator=("k1", "k2", "k3"),
-                   loss_agg=("token", "sequence", "constant"), lr_schedule=("constant", "cosine"))
-    minimum = dict(tp=1, prompts_per_step=1, num_minibatches=1, micro_batch_size=1, max_new_tokens=1, eval_k=1,
-                   logprob_chunk=1, reward_workers=1, beta=0, entropy_coef=0, tis_cap=0, overlong_buffer=0,
+    """Catch bad flags before any model is loaded, one at a time; each message names the flag to change."""
+    minimum = dict(tp=1, prompts_per_step=1, group_size=2, num_minibatches=1, micro_batch_size=1, max_new_tokens=1,
+                   eval_k=1, logprob_chunk=1, reward_workers=1, beta=0, entropy_coef=0, tis_cap=0, overlong_buffer=0,
                    dynamic_sampling_rounds=0, max_tokens_per_microbatch=0, eval_every=0, save_every=0)
-    problems = [(getattr(cfg, f) < low, f"--{f} must be at least {low}, not {getattr(cfg, f)}")
-                for f, low in minimum.items()]
-    problems += [(getattr(cfg, f) not in allowed, f"--{f} {getattr(cfg, f)!r}: choose one of {allowed}")
-                 for f, allowed in choices.items()]
-    dp = world // max(cfg.tp, 1)
-    samples = cfg.prompts_per_step // max(dp, 1) * cfg.group_size
-    sglang = cfg.engine == "sglang"
-    problems += [
-        (world % max(cfg.tp, 1), f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}"),
-        (cfg.prompts_per_step % max(dp, 1), f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp}"),
-        (samples % max(cfg.num_minibatches, 1),
-         f"--num_minibatches {cfg.num_minibatches} must divide the {samples} samples per rank (prompts / dp * G)"),
-        (cfg.group_size < 2, "--group_size must be at least 2: advantages compare samples of one prompt"),
-        (cfg.kl_in_reward and cfg.beta <= 0, "--kl_in_reward needs --beta above 0: beta scales the KL penalty"),
-        (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
-        (sglang and importlib.util.find_spec("sglang") is None,
-         "--engine sglang needs SGLang: pip install -r requirements.txt (sglang==0.5.23), or use --engine hf"),
-        (sglang and not torch.cuda.is_available(), "--engine sglang needs a CUDA GPU: use --engine hf here"),
-        (sglang and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) % cfg.tp,
-         f"--tp {cfg.tp} must divide the GPUs per node: an engine's TP group lives on one node"),
-    ]
-    for bad, message in problems:
-        if bad:
-            raise SystemExit(message)
+    for field, low in minimum.items():
+        if getattr(cfg, field) < low:
+            raise SystemExit(f"--{field} must be at least {low}, not {getattr(cfg, field)}")
+    if world % cfg.tp:
+        raise SystemExit(f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}")
+    dp = world // cfg.tp
+    if cfg.prompts_per_step % dp:
+        raise SystemExit(f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp}")
+    samples_per_rank = cfg.prompts_per_step // dp * cfg.group_size
+    if samples_per_rank % cfg.num_minibatches:
+        raise SystemExit(f"--num_minibatches {cfg.num_minibatches} must divide the {samples_per_rank} samples per "
+                         "rank (prompts / dp * G)")
+    if cfg.kl_in_reward and cfg.beta == 0:
+        raise SystemExit("--kl_in_reward needs --beta above 0: beta scales the KL penalty")
+    if cfg.overlong_buffer > cfg.max_new_tokens:
+        raise SystemExit("--overlong_buffer must be at most --max_new_tokens")
+    if cfg.engine == "sglang":
+        if importlib.util.find_spec("sglang") is None:
+            raise SystemExit("--engine sglang needs SGLang: pip install -r requirements.txt (sglang==0.5.23), "
+                             "or use --engine hf")
+        if not torch.cuda.is_available():
+            raise SystemExit("--engine sglang needs a CUDA GPU: use --engine hf here")
+        if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) % cfg.tp:
+            raise SystemExit(f"--tp {cfg.tp} must divide the GPUs per node: an engine's TP group lives on one node")
 
 
 # ----------------------------------------------------------------------------- data
-COUNTDOWN_PROMPT = ("Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic "
-                    "operations (+, -, *, /) and each number must be used exactly once. Show your work in "
-                    "<think> </think> tags. And return the final answer in <answer> </answer> tags, for example "
-                    "<answer> (1 + 2) / 3 </answer>.")
-BOXED_PROMPT = "{question}\nThink step by step, then put the final answer in \\boxed{{}}."  # gsm8k and math
-DATASETS = {"gsm8k": "openai/gsm8k", "math": "DigitalLearningGmbH/MATH-lighteval"}  # --data_path "" reads these
-# The R1-Zero template, for tokenizers without a chat template (base models).
-PLAIN_TEMPLATE = ("A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-                  "The assistant first thinks about the reasoning process in the mind and then provides the user "
-                  "with the answer. The reasoning process and answer are enclosed within <think> </think> and "
-                  "<answer> </answer> tags, respectively, i.e., <think> reasoning process here </think> "
-                  "<answer> answer here </answer>. User: {question} Assistant: <think>")
-
-
-def countdown_problems(n, seed):
-    """n distinct Countdown problems: 3-4 numbers in 1..99 and a target reachable by construction."""
-    rng = random.Random(seed)
-    problems = {}
-    while len(problems) < n:
-        nums = [rng.randint(1, 99) for _ in range(rng.choice((3, 4)))]
-        order = rng.sample(nums, len(nums))
-        value = Fraction(order[0])
-        for x in order[1:]:
-            value = {"+": value + x, "-": value - x, "*": value * x, "/": value / x}[rng.choice("+-*/")]
-        if value.denominator == 1 and 0 < value <= 1000:
-            problems[(tuple(sorted(nums)), int(value))] = nums
-    return [{"nums": nums, "target": target} for (_, target), nums in problems.items()]
-
-
-def load_rows(cfg, split):
-    """The raw rows of one split. Countdown and toy rows are generated (the test split first, so they are disjoint),
-    so the default job needs no download."""
-    if cfg.task == "countdown":
-        problems = countdown_problems(cfg.test_size + cfg.train_size, cfg.seed)
-        return problems[:cfg.test_size] if split == "test" else problems[cfg.test_size:]
-    if cfg.task == "toy":
-        return [{"target": "a"}] * (cfg.test_size if split == "test" else cfg.train_size)
-    import datasets
-    path = cfg.data_path or DATASETS[cfg.task]  # a local folder: datasets reads the splits from the file names
-    return list(datasets.load_dataset(path, "main" if path == DATASETS["gsm8k"] else None, split=split))
-
-
 class PromptDataset(torch.utils.data.Dataset):
     """Prompts of one task. Edit __getitem__ to change what a prompt says or to add a task."""
 
     def __init__(self, cfg, split):
-        self.task, self.rows = cfg.task, load_rows(cfg, split)
+        self.task = cfg.task
+        self.rows = reward.load_rows(cfg.task, split, cfg.data_path, cfg.train_size, cfg.test_size, cfg.seed)
         if len(self.rows) < (cfg.prompts_per_step if split == "train" else 1):
             raise SystemExit(f"the {split} split has {len(self.rows)} rows, fewer than a step's "
                              f"--prompts_per_step {cfg.prompts_per_step}: check --task, --data_path, --train_size")
@@ -231,12 +187,12 @@ class PromptDataset(torch.utils.data.Dataset):
         if self.task == "toy":
             return {"prompt": f"Say {row['target']}:", "task": "toy", "target": row["target"]}
         if self.task == "countdown":
-            content, fields = COUNTDOWN_PROMPT.format(**row), row  # the row is {"nums", "target"}
+            content, fields = reward.COUNTDOWN_PROMPT.format(**row), row  # the row is {"nums", "target"}
         elif self.task == "gsm8k":
-            content = BOXED_PROMPT.format(question=row["question"])
+            content = reward.BOXED_PROMPT.format(question=row["question"])
             fields = {"answer": row["answer"].split("####")[-1].strip()}
         else:  # math: the answer is the last \boxed{} of the reference solution, in LaTeX
-            content = BOXED_PROMPT.format(question=row["problem"])
+            content = reward.BOXED_PROMPT.format(question=row["problem"])
             fields = {"answer": reward.last_boxed(row["solution"])}
         return {"prompt": [{"role": "user", "content": content}], "task": self.task, **fields}
 
@@ -252,14 +208,15 @@ def char_tokenizer():
                                    additional_special_tokens=["<|im_start|>"])
 
 
-def encode_prompt(tokenizer, prompt):
-    """Token ids of a prompt: the chat template when the tokenizer has one, else the R1-Zero plain template."""
+def encode_prompt(tokenizer, prompt, plain_template=False):
+    """Token ids of a prompt: the chat template, or the R1-Zero plain template when the tokenizer has none or
+    --plain_template asks for it."""
     if isinstance(prompt, str):
         text = prompt
-    elif tokenizer.chat_template:
+    elif tokenizer.chat_template and not plain_template:
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     else:
-        text = PLAIN_TEMPLATE.format(question=prompt[-1]["content"])
+        text = reward.PLAIN_TEMPLATE.format(question=prompt[-1]["content"])
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -270,14 +227,30 @@ def stop_token_ids(tokenizer):
     return sorted(i for i in ids if i is not None)
 
 
-def step_rows(dataset, step, cfg, dp_rank, dp, round=0):
+def step_rows(dataset, step, cfg, dp_rank, dp, sampling_round=0):
     """This rank's prompts for a step, from a seeded permutation per (epoch, dynamic sampling round)."""
     epoch, i = divmod(step, len(dataset) // cfg.prompts_per_step)
-    generator = torch.Generator().manual_seed(hash((cfg.seed, epoch, round)))  # a tuple of ints hashes the same always
-    order = torch.randperm(len(dataset), generator=generator).tolist()
+    seed = hash((cfg.seed, epoch, sampling_round))  # a tuple of ints hashes the same in every process
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
     per_rank = cfg.prompts_per_step // dp
     start = i * cfg.prompts_per_step + dp_rank * per_rank
     return [dataset[j] for j in order[start:start + per_rank]]
+
+
+@dataclass
+class Sample:
+    """One sampled response and what the step learns about it. Per-token fields are float32 tensors [T], one value
+    per response token."""
+    prompt_ids: list[int]  # the prompt's tokens as the engine saw them
+    response_ids: list[int]  # the tokens exactly as sampled, the stop token included: never re-tokenised
+    engine_logprobs: torch.Tensor  # the engine's log-probs of response_ids, of logits / temperature
+    truncated: bool = False  # cut off by --max_new_tokens rather than ended by a stop token
+    score: float = 0.0  # reward_fn's value
+    reward: float = 0.0  # score plus shaping (the overlong penalty): what advantages are made from
+    advantage: float = 0.0
+    loss_weight: float = 0.0  # the weight of each of its tokens in the mini-batch loss (--loss_agg)
+    old_logprobs: torch.Tensor | None = None  # the policy's before the update, where the step needs them
+    ref_logprobs: torch.Tensor | None = None  # the reference model's (--beta > 0)
 
 
 # ----------------------------------------------------------------------------- model and mesh
@@ -291,13 +264,18 @@ TP_PLAN = {
     "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
 }
+# Qwen3 normalises each head of q and k. A rank holds only its heads (dim 2 of [B, T, heads, head_dim]), so the
+# norms' weights become replicated DTensors: their gradient, partial on each rank, is summed over tp in backward.
+QK_NORM_PLAN = {"self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
 
 
 def parallelize(model, mesh, activation_checkpointing, offload=False):
     """TP inside each decoder layer, then activation checkpointing, then FSDP per layer and at the root."""
     if mesh["tp"].size() > 1:
         for layer in model.model.layers:
-            parallelize_module(layer, mesh["tp"], TP_PLAN)
+            qk_norm = QK_NORM_PLAN if hasattr(layer.self_attn, "q_norm") else {}
+            parallelize_module(layer, mesh["tp"], {**TP_PLAN, **qk_norm})
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # bf16 compute, fp32 master weights and reductions on GPU; fp32 on CPU. Offloaded shards live in host memory.
@@ -308,6 +286,18 @@ def parallelize(model, mesh, activation_checkpointing, offload=False):
     for layer in model.model.layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
+
+
+def model_config_for(cfg, tokenizer):
+    """The model's config (--model tiny: TINY_MODEL), checked against --tp."""
+    if cfg.model == "tiny":
+        model_config = Qwen2Config(vocab_size=len(tokenizer), **TINY_MODEL)
+    else:
+        model_config = AutoConfig.from_pretrained(cfg.model)
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(model_config, field) % cfg.tp:
+            raise SystemExit(f"--tp {cfg.tp} must divide the model's {field} ({getattr(model_config, field)})")
+    return model_config
 
 
 def build_model(model_config, mesh, device, activation_checkpointing=False, offload=False):
@@ -356,8 +346,8 @@ def on_first_rank(work, group=None):
 
 # ----------------------------------------------------------------------------- engine
 class HFEngine:
-    """Rollouts with HF generate on an unsharded copy of the policy. As SGLangEngine: generate() gives per sample
-    its "ids" (stop token included) and their "logprobs"; update_weights() takes buckets of (HF name, tensor)."""
+    """Rollouts with HF generate on an unsharded copy of the policy. As SGLangEngine: generate() gives a Sample per
+    prompt; update_weights() takes buckets of (HF name, full tensor)."""
     dtype = torch.float32
 
     def __init__(self, model_config, device, pad_id):
@@ -367,14 +357,15 @@ class HFEngine:
 
     @torch.no_grad()
     def update_weights(self, buckets):
-        for name, tensor in (named for bucket in buckets for named in bucket):
-            self.model.get_parameter(name).copy_(tensor)
+        for bucket in buckets:
+            for name, tensor in bucket:
+                self.model.get_parameter(name).copy_(tensor)
 
     @torch.no_grad()
     def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):
-        width, device = max(map(len, prompts)), self.model.device
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=device)  # left-padded
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        longest, device = max(map(len, prompts)), self.model.device
+        ids = torch.tensor([[self.pad_id] * (longest - len(p)) + p for p in prompts], device=device)  # left-padded
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
         with torch.random.fork_rng(devices=[]):  # seeded sampling that leaves the global RNG alone
             torch.manual_seed(seed)
             out = self.model.generate(
@@ -383,9 +374,10 @@ class HFEngine:
                 pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True)
         logprobs = torch.log_softmax(torch.stack(out.logits, 1).float() / (temperature or 1.0), -1)  # [N, T, V]
         samples = []
-        for seq, lp in zip(out.sequences[:, width:].tolist(), logprobs):
+        for prompt, seq, token_logprobs in zip(prompts, out.sequences[:, longest:].tolist(), logprobs):
             end = next((t + 1 for t, tok in enumerate(seq) if tok in stop_ids), len(seq))  # generate pads after
-            samples.append({"ids": seq[:end], "logprobs": lp[torch.arange(end), seq[:end]].tolist()})
+            picked = token_logprobs[torch.arange(end), seq[:end]].cpu()
+            samples.append(Sample(prompt_ids=prompt, response_ids=seq[:end], engine_logprobs=picked))
         return samples
 
 
@@ -418,8 +410,9 @@ class SGLangEngine:
         # SGLang samples from its schedulers' RNG, seeded once with --seed; `seed` only steers the hf engine.
         params = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
         outputs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-        return [{"ids": o["output_ids"], "logprobs": [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]}
-                for o in outputs]
+        return [Sample(prompt_ids=prompt, response_ids=out["output_ids"],
+                       engine_logprobs=torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]))
+                for prompt, out in zip(prompts, outputs)]
 
     def release_memory(self):
         self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
@@ -435,8 +428,9 @@ class SGLangEngine:
             self.check(self.engine.begin_weight_update())
         try:
             for bucket in buckets:
-                flat = FlattenedTensorBucket(named_tensors=bucket)
-                payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+                flat_bucket = FlattenedTensorBucket(named_tensors=bucket)
+                payload = {"flattened_tensor": flat_bucket.get_flattened_tensor(),
+                           "metadata": flat_bucket.get_metadata()}
                 # One serialization per engine TP rank: each rank opens (and releases) its own IPC handles.
                 per_rank = [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(self.tp)]
                 self.check(self.engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket",
@@ -493,79 +487,57 @@ def push_weights(model, engine, bucket_mb, tp_group):
     """The new weights into the engine; ranks without an engine still join every gather."""
     free_gpu_cache(tp_group)  # before the engine's weights come back
     buckets = weight_buckets(model, bucket_mb << 20, engine.dtype if engine else torch.float32, tp_group)
-    if engine is None:
-        deque(buckets, maxlen=0)  # run every gather, keep nothing
-    else:
+    if engine is not None:
         engine.update_weights(buckets)
+        return
+    for _ in buckets:  # every gather is a collective that the engine's rank runs too; nothing is kept
+        pass
 
 
-def generate_rollouts(engine, pool, tokenizer, rows, cfg, seed, tp_group, n, temperature):
-    """n samples per prompt from this tp group's engine, each with its "score"; the tracebacks of failed scores."""
-    repeated = [encode_prompt(tokenizer, row["prompt"]) for row in rows for _ in range(n)]
+# ----------------------------------------------------------------------------- rollouts and rewards
+def generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, seed, tp_group, n, temperature):
+    """n scored samples per prompt from this tp group's engine; the tracebacks of failed reward_fn calls."""
+    prompts = [encode_prompt(tokenizer, row["prompt"], cfg.plain_template) for row in rows for _ in range(n)]
     stop_ids = stop_token_ids(tokenizer)
-    samples = on_first_rank(lambda: engine.generate(repeated, temperature, cfg.top_p, cfg.max_new_tokens, stop_ids,
-                                                    seed), tp_group)
-    scores, errors = on_first_rank(lambda: score(pool, samples, rows, tokenizer, cfg), tp_group)
-    for prompt, sample, value in zip(repeated, samples, scores):
-        # Finish from the last token, the same for every engine (SGLang versions disagree on a stop at the limit).
-        finish = "stop" if sample["ids"] and sample["ids"][-1] in stop_ids else "length"
-        sample.update(prompt_ids=prompt, score=value, finish=finish)
+    samples = on_first_rank(
+        lambda: engine.generate(prompts, temperature, cfg.top_p, cfg.max_new_tokens, stop_ids, seed), tp_group)
+    completions = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    items = [row for row in rows for _ in range(n)]
+    scores, errors = on_first_rank(lambda: reward_workers.score(completions, items), tp_group)
+    for sample, value in zip(samples, scores):
+        sample.score = value
+        # Decided from the last token, the same for every engine (SGLang versions disagree on a stop at the limit).
+        sample.truncated = not sample.response_ids or sample.response_ids[-1] not in stop_ids
     return samples, errors
 
 
-# ----------------------------------------------------------------------------- reward and advantages
-def reward_or_error(completion, sample, timeout):
-    """In a reward worker: (score, None), or (0.0, traceback) when reward_fn raises or runs past `timeout`."""
-    def raise_timeout(signum, frame):
-        raise TimeoutError("reward_fn ran past --reward_timeout")
-    signal.signal(signal.SIGALRM, raise_timeout)
-    signal.setitimer(signal.ITIMER_REAL, timeout, 1.0)  # repeats if reward_fn swallows the TimeoutError
-    try:
-        return float(reward.reward_fn(completion, sample)), None
-    except Exception:
-        return 0.0, traceback.format_exc()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-
-
-def score(pool, samples, rows, tokenizer, cfg):
-    """reward_fn of each completion with its prompt's row, in the workers; the tracebacks of failed calls (scored
-    0). A call that SIGALRM cannot cut off (signals blocked in C code) misses the batch's deadline: it scores 0."""
-    per_prompt = len(samples) // len(rows)
-    deadline = time.monotonic() + cfg.reward_timeout * math.ceil(len(samples) / cfg.reward_workers) + 5
-    jobs = [pool.apply_async(reward_or_error, (tokenizer.decode(s["ids"], skip_special_tokens=True),
-                                               rows[i // per_prompt], cfg.reward_timeout))
-            for i, s in enumerate(samples)]
-    results = []
-    for job in jobs:
-        try:
-            results.append(job.get(timeout=max(0.0, deadline - time.monotonic())))
-        except Exception as error:  # the deadline passed, or an alarm escaped the worker's own handling
-            results.append((0.0, f"reward_fn did not return by the batch's deadline ({error!r})"))
-    return [r for r, _ in results], [error for _, error in results if error]
-
-
-def collect_rollouts(engine, pool, dataset, tokenizer, cfg, step, mesh):
-    """G samples per prompt with their "reward" (score + overlong penalty), reward_fn's tracebacks, and the groups
+def collect_rollouts(engine, reward_workers, dataset, tokenizer, cfg, step, mesh):
+    """G samples per prompt with their reward (score + overlong penalty), reward_fn's tracebacks, and the groups
     dropped: dynamic sampling drops groups of equal scores (no gradient) and samples more rounds of prompts."""
     dp_rank, dp, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["tp"].get_group()
     kept, dropped, errors = [], [], []
-    for round in range(cfg.dynamic_sampling_rounds + 1):
-        rows = step_rows(dataset, step, cfg, dp_rank, dp, round)
-        samples, failed = generate_rollouts(engine, pool, tokenizer, rows, cfg, hash((cfg.seed, step, round, dp_rank)),
-                                            tp_group, cfg.group_size, cfg.temperature)
+    for sampling_round in range(cfg.dynamic_sampling_rounds + 1):
+        rows = step_rows(dataset, step, cfg, dp_rank, dp, sampling_round)
+        seed = hash((cfg.seed, step, sampling_round, dp_rank))
+        samples, failed = generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, seed, tp_group,
+                                            cfg.group_size, cfg.temperature)
         errors += failed
         for s in samples:
-            s["reward"] = s["score"] + reward.overlong_penalty(len(s["ids"]), cfg.max_new_tokens, cfg.overlong_buffer)
-        for group in (samples[i:i + cfg.group_size] for i in range(0, len(samples), cfg.group_size)):
-            equal = len({s["score"] for s in group}) == 1  # as DAPO: on reward_fn's score, not the shaping
-            (dropped if equal and cfg.dynamic_sampling_rounds else kept).append(group)
+            s.reward = s.score + reward.overlong_penalty(len(s.response_ids), cfg.max_new_tokens, cfg.overlong_buffer)
+        for i in range(0, len(samples), cfg.group_size):
+            group = samples[i:i + cfg.group_size]
+            no_signal = len({s.score for s in group}) == 1  # as DAPO: on reward_fn's score, not the shaping
+            if no_signal and cfg.dynamic_sampling_rounds:
+                dropped.append(group)
+            else:
+                kept.append(group)
         if len(kept) >= len(rows):
             break
     filled = dropped[:max(0, len(rows) - len(kept))]
     return [s for group in kept[:len(rows)] + filled for s in group], errors, len(dropped) - len(filled)
 
 
+# ----------------------------------------------------------------------------- advantages
 def group_advantages(rewards, group_size, scale_std=True, eps=1e-6):
     """(r - group mean) / (group std + eps), std unbiased as in GRPO; without the division for Dr. GRPO."""
     r = rewards.view(-1, group_size)
@@ -575,6 +547,17 @@ def group_advantages(rewards, group_size, scale_std=True, eps=1e-6):
     return adv.view(-1)
 
 
+def set_advantages(samples, cfg):
+    """Each sample's advantage from the rewards of its group. --kl_in_reward subtracts beta x its summed KL to the
+    reference, centred in the group but not divided by the group's std (that would cancel beta in flat groups)."""
+    advantages = group_advantages(torch.tensor([s.reward for s in samples]), cfg.group_size, cfg.scale_std)
+    if cfg.kl_in_reward:
+        kl = torch.stack([KL_ESTIMATORS[cfg.kl_estimator](s.old_logprobs - s.ref_logprobs).sum() for s in samples])
+        advantages -= cfg.beta * group_advantages(kl.cpu(), cfg.group_size, scale_std=False)
+    for sample, advantage in zip(samples, advantages.tolist()):
+        sample.advantage = advantage
+
+
 # ----------------------------------------------------------------------------- logprobs and entropy
 def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
     """Per token: log p(target) and the entropy of softmax(hidden @ weight.T / temperature). weight is sharded over
@@ -582,30 +565,30 @@ def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
     def sum_over_tp(x):  # all-reduce in forward, identity in backward: every tp rank computes the same loss from it
         return DTensor.from_local(x, tp_mesh, [Partial()]).full_tensor()
     logits = (hidden @ weight.T).to_local().float() / temperature  # [C, V / tp] in fp32: bf16 loses ~3 digits
-    top = logits.detach().amax(-1)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp_mesh.get_group())
-    exp = torch.exp(logits - top[:, None])
-    total = sum_over_tp(exp.sum(-1))
-    first = tp_mesh.get_local_rank() * math.ceil(weight.shape[0] / tp_mesh.size())  # this rank's first token id
-    mine = (targets >= first) & (targets < first + logits.shape[1])
-    local = (targets - first).clamp(0, logits.shape[1] - 1)
-    target_logit = sum_over_tp(logits.gather(-1, local[:, None]).squeeze(-1) * mine)
-    logz = top + total.log()
-    return target_logit - logz, logz - sum_over_tp((exp * logits).sum(-1)) / total
+    max_logit = logits.detach().amax(-1)
+    dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_mesh.get_group())
+    exp = torch.exp(logits - max_logit[:, None])
+    sum_exp = sum_over_tp(exp.sum(-1))
+    slice_start = tp_mesh.get_local_rank() * math.ceil(weight.shape[0] / tp_mesh.size())  # this rank's first id
+    in_slice = (targets >= slice_start) & (targets < slice_start + logits.shape[1])
+    slice_targets = (targets - slice_start).clamp(0, logits.shape[1] - 1)
+    target_logit = sum_over_tp(logits.gather(-1, slice_targets[:, None]).squeeze(-1) * in_slice)
+    log_z = max_logit + sum_exp.log()
+    return target_logit - log_z, log_z - sum_over_tp((exp * logits).sum(-1)) / sum_exp
 
 
 def response_logprobs(model, samples, cfg, tp_mesh, pad_id):
-    """Log-probs and entropies of the response tokens, flat over the samples [N_tokens]. lm_head takes chunks of
+    """Log-probs and entropies of the response tokens, joined over the samples [N_tokens]. lm_head takes chunks of
     --logprob_chunk tokens, each recomputed in backward: one chunk's fp32 logits (and temporaries) live at a time."""
-    seqs, device = [s["prompt_ids"] + s["ids"] for s in samples], torch.device(tp_mesh.device_type)
-    width = max(map(len, seqs))
-    ids = torch.tensor([q + [pad_id] * (width - len(q)) for q in seqs], device=device)  # right-padded
-    mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in seqs], device=device)
+    seqs, device = [s.prompt_ids + s.response_ids for s in samples], torch.device(tp_mesh.device_type)
+    longest = max(map(len, seqs))
+    ids = torch.tensor([q + [pad_id] * (longest - len(q)) for q in seqs], device=device)  # right-padded
+    mask = torch.tensor([[1] * len(q) + [0] * (longest - len(q)) for q in seqs], device=device)
     no_logits = torch.zeros(0, dtype=torch.long, device=device)
     out = model(input_ids=ids, attention_mask=mask, logits_to_keep=no_logits, output_hidden_states=True)
     last = out.hidden_states[-1]  # the final norm's output [B, T, H]; position t predicts token t + 1
-    hidden = torch.cat([last[b, len(s["prompt_ids"]) - 1:len(seqs[b]) - 1] for b, s in enumerate(samples)])
-    targets = torch.tensor([t for s in samples for t in s["ids"]], device=device)
+    hidden = torch.cat([last[b, len(s.prompt_ids) - 1:len(seqs[b]) - 1] for b, s in enumerate(samples)])
+    targets = torch.tensor([t for s in samples for t in s.response_ids], device=device)
     # lm_head is a root parameter, left unsharded by FSDP after the root forward until backward. As DTensors,
     # backward gathers the vocabulary slices' gradients over tp, and sums hidden's.
     weight = DTensor.from_local(model.lm_head.weight, tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(0)])
@@ -614,9 +597,12 @@ def response_logprobs(model, samples, cfg, tp_mesh, pad_id):
     for start in range(0, len(targets), cfg.logprob_chunk):
         chunk = (hidden[start:start + cfg.logprob_chunk], weight, targets[start:start + cfg.logprob_chunk],
                  cfg.temperature or 1.0, tp_mesh)
-        parts.append(checkpoint(logprobs_and_entropy, *chunk, use_reentrant=False)
-                     if torch.is_grad_enabled() else logprobs_and_entropy(*chunk))
-    return tuple(torch.cat(x) for x in zip(*parts))  # logp, entropy
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(logprobs_and_entropy, *chunk, use_reentrant=False))
+        else:
+            parts.append(logprobs_and_entropy(*chunk))
+    logp, entropy = zip(*parts)
+    return torch.cat(logp), torch.cat(entropy)
 
 
 # ----------------------------------------------------------------------------- loss
@@ -630,21 +616,25 @@ KL_ESTIMATORS = {
 
 def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy=None, is_weights=None):
     """Clipped surrogate per response token [N], scaled by `is_weights` (truncated IS), plus beta x KL unless
-    --kl_in_reward, minus the entropy bonus, summed with `weights`; and metric sums over the tokens."""
+    --kl_in_reward, minus the entropy bonus, summed with `weights`; and metric sums over the tokens (tensors, so
+    no device sync per micro-batch)."""
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
     if is_weights is not None:
         per_token = per_token * is_weights
-    metrics = {"clip_frac": (clipped < unclipped).sum().item(), "kl": 0.0, "entropy": entropy.detach().sum().item()}
+    zero = logp.new_zeros(())
+    metrics = {"clip_frac": (clipped < unclipped).sum(), "kl": zero, "entropy": zero}
     if ref_logp is not None:
         kl = KL_ESTIMATORS[cfg.kl_estimator](logp - ref_logp)
-        metrics["kl"] = kl.sum().item()
+        metrics["kl"] = kl.detach().sum()
         if not cfg.kl_in_reward:
             per_token = per_token + cfg.beta * kl
-    # Always in the graph, times 0 by default: each chunk's recomputed logits are freed once backward has used them.
-    per_token = per_token - cfg.entropy_coef * entropy
+    if entropy is not None:
+        metrics["entropy"] = entropy.detach().sum()
+        # Always in the graph, times 0 by default: each chunk's recomputed logits are freed once backward used them.
+        per_token = per_token - cfg.entropy_coef * entropy
     return (per_token * weights).sum(), metrics
 
 
@@ -652,20 +642,31 @@ def engine_mismatch(trainer_logp, engine_logp, tis_cap):
     """Truncated importance weights min(p_trainer / p_engine, tis_cap) (None if tis_cap is 0), and sums of |log
     ratio| and of k3 KL(engine || trainer) over the sampled tokens: a stale or wrong weight push shows here."""
     log_ratio = trainer_logp - engine_logp
-    sums = {"mismatch_abs": log_ratio.abs().sum().item(), "mismatch_kl": (log_ratio.exp() - 1 - log_ratio).sum().item()}
+    sums = {"mismatch_abs": log_ratio.abs().sum(), "mismatch_kl": KL_ESTIMATORS["k3"](-log_ratio).sum()}
     return (log_ratio.exp().clamp(max=tis_cap) if tis_cap > 0 else None), sums
 
 
 def set_loss_weights(samples, cfg, dp_group):
-    """Each sample's per-token "weight" in the mini-batch loss, by --loss_agg, from counts over all ranks (so any
-    micro-batches sum to the mini-batch's gradient), times dp (FSDP averages gradients over dp)."""
-    counts = torch.tensor([sum(len(s["ids"]) for s in samples), len(samples)], dtype=torch.float64)
+    """Each sample's per-token loss_weight, by --loss_agg, from counts over all ranks (so any micro-batches sum to
+    the mini-batch's gradient), times dp (FSDP averages gradients over dp)."""
+    counts = torch.tensor([sum(len(s.response_ids) for s in samples), len(samples)], dtype=torch.float64)
     dist.all_reduce(counts, group=dp_group)  # response tokens and sequences of the whole mini-batch
     tokens, sequences = counts.tolist()
+    dp = dist.get_world_size(dp_group)
     for s in samples:
-        denominator = {"token": tokens, "sequence": max(len(s["ids"]), 1) * sequences,
-                       "constant": cfg.max_new_tokens * sequences}[cfg.loss_agg]
-        s["weight"] = dist.get_world_size(dp_group) / denominator
+        if cfg.loss_agg == "sequence":  # each sequence's token mean, then the mean over sequences (GRPO)
+            s.loss_weight = dp / (max(len(s.response_ids), 1) * sequences)
+        else:  # every token alike: over the tokens (DAPO), or over sequences x the length limit (Dr. GRPO)
+            s.loss_weight = dp / (tokens if cfg.loss_agg == "token" else cfg.max_new_tokens * sequences)
+
+
+def per_token(samples, field, device):
+    """A field of the samples over their response tokens, joined [N]: tensors as they are, floats repeated."""
+    values = [getattr(s, field) for s in samples]
+    if isinstance(values[0], float):
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        return torch.tensor(values).repeat_interleave(lengths).to(device)
+    return torch.cat(values).to(device)
 
 
 # ----------------------------------------------------------------------------- update
@@ -679,8 +680,9 @@ def clip_grad_norm(model, max_norm):
     norms = [torch.nn.utils.get_total_norm(grads) for grads in by_mesh.values()]
     total = math.sqrt(sum((n.full_tensor() if isinstance(n, DTensor) else n).item() ** 2 for n in norms))
     if math.isfinite(total) and max_norm > 0 and total > max_norm:
-        for grad in (g for grads in by_mesh.values() for g in grads):
-            grad.mul_(max_norm / (total + 1e-6))
+        for grads in by_mesh.values():
+            for grad in grads:
+                grad.mul_(max_norm / (total + 1e-6))
     return total
 
 
@@ -689,13 +691,13 @@ def micro_batches(samples, cfg):
     --max_tokens_per_microbatch; each rank runs as many (forwards are collectives): the largest are halved."""
     if cfg.max_tokens_per_microbatch == 0:
         return [samples[i:i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
-    batches, width = [], 0  # width: the length of the last micro-batch's first, longest, sequence
-    for sample in sorted(samples, key=lambda s: len(s["prompt_ids"]) + len(s["ids"]), reverse=True):
-        if batches and (len(batches[-1]) + 1) * width <= cfg.max_tokens_per_microbatch:
+    batches, longest = [], 0  # longest: the length of the last micro-batch's first sequence
+    for sample in sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids), reverse=True):
+        if batches and (len(batches[-1]) + 1) * longest <= cfg.max_tokens_per_microbatch:
             batches[-1].append(sample)
         else:
             batches.append([sample])
-            width = len(sample["prompt_ids"]) + len(sample["ids"])
+            longest = len(sample.prompt_ids) + len(sample.response_ids)
     count = torch.tensor(len(batches))
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     while len(batches) < count:
@@ -705,23 +707,17 @@ def micro_batches(samples, cfg):
 
 
 @torch.no_grad()
-def store_logprobs(model, samples, key, cfg, mesh, pad_id):
-    """sample[key]: the model's log-probs of the sample's response tokens, computed without grad."""
+def store_logprobs(model, samples, field, cfg, mesh, pad_id):
+    """The model's log-probs of each sample's response tokens, without grad, into sample.<field>."""
     for batch in micro_batches(samples, cfg):
         logp = response_logprobs(model, batch, cfg, mesh["tp"], pad_id)[0]
-        for sample, values in zip(batch, logp.split([len(s["ids"]) for s in batch])):
-            sample[key] = values
-
-
-def flat(samples, key, device):
-    """Per-token values of the samples (tensors, lists, or one float for all of a sample's tokens), joined [N]."""
-    return torch.cat([torch.full((len(s["ids"]),), s[key]) if isinstance(s[key], float)
-                      else torch.as_tensor(s[key], dtype=torch.float32) for s in samples]).to(device)
+        for sample, values in zip(batch, logp.split([len(s.response_ids) for s in batch])):
+            setattr(sample, field, values)
 
 
 def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id):
     """--num_minibatches optimizer steps; metric sums over this rank's tokens. The ratio's denominator is the
-    sampling policy: the first mini-batch's own logprobs (detached), the later ones' "old_logp"."""
+    sampling policy: the first mini-batch's own logprobs (detached), the later ones' old_logprobs."""
     sums = defaultdict(float)  # every rank runs as many micro-batches, so it adds the same keys in the same order
     per_minibatch, device = len(samples) // cfg.num_minibatches, model.device
     for m in range(cfg.num_minibatches):
@@ -729,19 +725,14 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id):
         set_loss_weights(minibatch, cfg, mesh["dp"].get_group())
         for batch in micro_batches(minibatch, cfg):
             logp, entropy = response_logprobs(model, batch, cfg, mesh["tp"], pad_id)
-            old_logp = logp.detach() if m == 0 else flat(batch, "old_logp", device)
-            is_weights, mismatch = engine_mismatch(old_logp, flat(batch, "logprobs", device), cfg.tis_cap)
-            loss, metrics = policy_loss(
-                logp, old_logp, flat(batch, "advantage", device), flat(batch, "weight", device), cfg,
-                flat(batch, "ref_logp", device) if cfg.beta > 0 else None, entropy, is_weights)
+            old_logp = logp.detach() if m == 0 else per_token(batch, "old_logprobs", device)
+            is_weights, mismatch = engine_mismatch(old_logp, per_token(batch, "engine_logprobs", device), cfg.tis_cap)
+            ref_logp = per_token(batch, "ref_logprobs", device) if cfg.beta > 0 else None
+            loss, metrics = policy_loss(logp, old_logp, per_token(batch, "advantage", device),
+                                        per_token(batch, "loss_weight", device), cfg, ref_logp, entropy, is_weights)
             loss.backward()
             for key, value in {**metrics, **mismatch, "tokens": len(logp)}.items():
                 sums[key] += value
-        # Qwen3's q_norm / k_norm weights are replicated over tp, but each rank normalises only its own heads:
-        # their gradients are partial sums, to be summed over tp (without this, tp ranks drift apart).
-        for name, param in model.named_parameters() if mesh["tp"].size() > 1 else []:
-            if name.endswith(("q_norm.weight", "k_norm.weight")) and param.grad is not None:
-                dist.all_reduce(param.grad.to_local(), group=mesh["tp"].get_group())
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
         if math.isfinite(grad_norm):  # a step with a non-finite norm is skipped, and counted
             optimizer.step()
@@ -770,14 +761,40 @@ def reduce_over_ranks(sums, maxes, mesh):
     return dict(zip(sums, (total / mesh["tp"].size()).tolist())), dict(zip(maxes, top.tolist()))
 
 
-def step_metrics(sums, maxes, lr, seconds):
-    """The numbers of one step as logged: means over all samples or all response tokens, maxima, counts."""
+def step_metrics(samples, train_sums, errors, dropped, times, stop_requested, lr, mesh):
+    """The step's numbers over all ranks, as logged (means over samples or response tokens, maxima, counts), and
+    whether any rank was asked to stop."""
+    lengths, scores = [len(s.response_ids) for s in samples], [s.score for s in samples]
+    sums = dict(train_sums, reward=sum(scores), accuracy=sum(x >= 1 for x in scores), samples=len(samples),
+                response_len=sum(lengths), truncated=sum(s.truncated for s in samples), reward_errors=len(errors),
+                groups_dropped=dropped)
+    maxes = {"response_len_max": max(lengths), "grad_norm": sums.pop("grad_norm"),
+             "skipped_steps": sums.pop("skipped_steps"), **times, "stop": float(stop_requested)}
+    sums, maxes = reduce_over_ranks(sums, maxes, mesh)
+    stopping = maxes.pop("stop") > 0  # a signal seen by any rank stops all of them after this step
     metrics = {k: sums[k] / sums["samples"] for k in ("reward", "accuracy", "response_len", "truncated")}
-    per_token = ("entropy", "kl", "clip_frac", "mismatch_abs", "mismatch_kl")
-    metrics.update({k: sums[k] / max(sums["tokens"], 1) for k in per_token}, **maxes)
+    per_token_keys = ("entropy", "kl", "clip_frac", "mismatch_abs", "mismatch_kl")
+    metrics.update({k: sums[k] / max(sums["tokens"], 1) for k in per_token_keys}, **maxes)
     metrics.update(reward_errors=sums["reward_errors"], groups_dropped=sums["groups_dropped"], lr=lr,
-                   tokens_per_s=sums["response_len"] / seconds, time_step=seconds)
-    return metrics
+                   tokens_per_s=sums["response_len"] / maxes["time_step"])
+    return metrics, stopping
+
+
+def open_run_dir(cfg, resumed_from, start_step, wandb_id):
+    """On rank 0: out_dir with config.json, the config printed, metrics.jsonl cut back to the resumed step (the
+    later steps run again), and the wandb run (None without --wandb_project)."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    config_text = json.dumps(asdict(cfg), indent=1)
+    print(config_text + (f"\nresumed from {resumed_from} at step {start_step}" if resumed_from else ""), flush=True)
+    pathlib.Path(cfg.out_dir, "config.json").write_text(config_text)
+    metrics = pathlib.Path(cfg.out_dir, "metrics.jsonl")
+    metrics.touch()
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(line for line in lines if json.loads(line)["step"] <= start_step))
+    if not cfg.wandb_project:
+        return None
+    import wandb
+    return wandb.init(project=cfg.wandb_project, config=asdict(cfg), id=wandb_id, resume="allow", dir=cfg.out_dir)
 
 
 def log_step(step, m, cfg, wandb_run):
@@ -796,17 +813,18 @@ def log_step(step, m, cfg, wandb_run):
 
 
 # ----------------------------------------------------------------------------- eval
-def evaluate(engine, tokenizer, test_set, pool, cfg, mesh):
+def evaluate(engine, tokenizer, test_set, reward_workers, cfg, mesh):
     """Greedy accuracy, mean@k and pass@k (of k samples at --eval_temperature) on --eval_prompts held-out prompts."""
     dp_rank, dp, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["tp"].get_group()
     rows = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
     sums = dict.fromkeys(("greedy", "mean_at_k", "pass_at_k", "prompts"), 0.0)
     if rows:
-        def right(n, temperature):  # [len(rows), n]: reward 1.0
-            samples, _ = generate_rollouts(engine, pool, tokenizer, rows, cfg, cfg.seed, tp_group, n, temperature)
-            return torch.tensor([s["score"] for s in samples]).view(-1, n) >= 1
-        sampled = right(cfg.eval_k, cfg.eval_temperature)
-        sums = {"greedy": right(1, 0.0).sum().item(), "mean_at_k": sampled.float().mean(1).sum().item(),
+        def solved(n, temperature):  # [len(rows), n]: reward 1.0
+            samples, _ = generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, cfg.seed, tp_group, n,
+                                           temperature)
+            return torch.tensor([s.score for s in samples]).view(-1, n) >= 1
+        sampled = solved(cfg.eval_k, cfg.eval_temperature)
+        sums = {"greedy": solved(1, 0.0).sum().item(), "mean_at_k": sampled.float().mean(1).sum().item(),
                 "pass_at_k": sampled.any(1).sum().item(), "prompts": len(rows)}
     sums, _ = reduce_over_ranks(sums, {}, mesh)
     n = max(sums.pop("prompts"), 1)
@@ -848,7 +866,9 @@ def resume(cfg, model, optimizer, scheduler):
     """Restore what save_checkpoint wrote in the --resume folder ("auto": the newest complete one under out_dir, if
     any); returns (folder, step, wandb id), with folder "" for a fresh start."""
     found = complete_checkpoints(cfg.out_dir)
-    path = (found or [""])[-1] if cfg.resume == "auto" else cfg.resume
+    path = cfg.resume
+    if cfg.resume == "auto":
+        path = found[-1] if found else ""
     if path and not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise SystemExit(f"--resume {path}: not a complete checkpoint folder (no trainer_state.json)")
     if found and not path:
@@ -892,34 +912,17 @@ def main():
     mesh = init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
     tokenizer = char_tokenizer() if cfg.model == "tiny" else AutoTokenizer.from_pretrained(cfg.model)
     train_set, test_set = PromptDataset(cfg, "train"), PromptDataset(cfg, "test")
-    model_config = (Qwen2Config(vocab_size=len(tokenizer), **TINY_MODEL) if cfg.model == "tiny"
-                    else AutoConfig.from_pretrained(cfg.model))
-    for field in ("num_attention_heads", "num_key_value_heads"):
-        if getattr(model_config, field) % cfg.tp:
-            raise SystemExit(f"--tp {cfg.tp} must divide the model's {field} ({getattr(model_config, field)})")
+    model_config = model_config_for(cfg, tokenizer)
     model = build_model(model_config, mesh, device, cfg.activation_checkpointing)
     ref_model = build_model(model_config, mesh, device, offload=cfg.ref_on_cpu) if cfg.beta > 0 else None
     load_weights([model] + ([ref_model.requires_grad_(False)] if ref_model else []), cfg, model_config)
     # Before any forward: FSDP2 then leaves root parameters unsharded, and an optimizer would hold stale tensors.
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, cfg=cfg))
-    path, start_step, wandb_id = resume(cfg, model, optimizer, scheduler)
-    wandb_run = None
-    if rank == 0:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        config_text = json.dumps(asdict(cfg), indent=1)
-        print(config_text + (f"\nresumed from {path} at step {start_step}" if path else ""), flush=True)
-        pathlib.Path(cfg.out_dir, "config.json").write_text(config_text)
-        metrics = pathlib.Path(cfg.out_dir, "metrics.jsonl")
-        metrics.touch()  # on resume, drop the steps that run again
-        lines = metrics.read_text().splitlines(keepends=True)
-        metrics.write_text("".join(line for line in lines if json.loads(line)["step"] <= start_step))
-        if cfg.wandb_project:
-            import wandb
-            wandb_run = wandb.init(project=cfg.wandb_project, config=asdict(cfg), id=wandb_id, resume="allow",
-                                   dir=cfg.out_dir)
-    # Reward workers, forked before the engine and signal handlers, in their own session: signals are the trainer's.
-    pool = multiprocessing.get_context("fork").Pool(cfg.reward_workers, initializer=os.setsid)
+    resumed_from, start_step, wandb_id = resume(cfg, model, optimizer, scheduler)
+    wandb_run = open_run_dir(cfg, resumed_from, start_step, wandb_id) if rank == 0 else None
+    # Forked before the engine and the signal handlers exist.
+    reward_workers = reward.RewardWorkers(cfg.reward_workers, cfg.reward_timeout)
     tp_group, pad_id = mesh["tp"].get_group(), tokenizer.pad_token_id
     free_gpu_cache(tp_group)  # SGLang sizes itself from the free memory it sees at start
     engine = create_engine(cfg, model_config, mesh, device, pad_id)
@@ -930,49 +933,37 @@ def main():
         for step in range(start_step, cfg.steps):
             times, start = {}, time.perf_counter()
             # --- generate and reward: G scored samples per prompt (dynamic sampling may take more rounds)
-            samples, errors, dropped = collect_rollouts(engine, pool, train_set, tokenizer, cfg, step, mesh)
+            samples, errors, dropped = collect_rollouts(engine, reward_workers, train_set, tokenizer, cfg, step, mesh)
             if isinstance(engine, SGLangEngine) and not cfg.keep_engine_memory:
                 engine.release_memory()  # the training phase gets the engine's weights and KV cache memory
-            times["time_rollout"] = time.perf_counter() - start
             if errors and not reward_failed and rank == 0:
                 print(f"reward_fn failed; it scores 0, counted as reward_errors (shown once):\n{errors[0]}")
             reward_failed = reward_failed or bool(errors)
-            # --- log-probs before the update: the reference's, and the policy's for mini-batches after the first
+            times["time_rollout"] = time.perf_counter() - start
+            # --- log-probs before the update: the policy's (mini-batches after the first), the reference's
             timer = time.perf_counter()
-            first = 0 if cfg.kl_in_reward else len(samples) // cfg.num_minibatches
-            store_logprobs(model, samples[first:], "old_logp", cfg, mesh, pad_id)
+            first_stored = 0 if cfg.kl_in_reward else len(samples) // cfg.num_minibatches
+            store_logprobs(model, samples[first_stored:], "old_logprobs", cfg, mesh, pad_id)
             if ref_model is not None:
-                store_logprobs(ref_model, samples, "ref_logp", cfg, mesh, pad_id)
+                store_logprobs(ref_model, samples, "ref_logprobs", cfg, mesh, pad_id)
                 ref_model.reshard()  # FSDP keeps root parameters whole after a forward that has no backward
-            # --- advantages in each group of G; --kl_in_reward: minus beta x summed KL, centred, not std-scaled
-            advantages = group_advantages(torch.tensor([s["reward"] for s in samples]), cfg.group_size, cfg.scale_std)
-            if cfg.kl_in_reward:
-                kl = [KL_ESTIMATORS[cfg.kl_estimator](s["old_logp"] - s["ref_logp"]).sum().item() for s in samples]
-                advantages -= cfg.beta * group_advantages(torch.tensor(kl), cfg.group_size, scale_std=False)
-            for sample, advantage in zip(samples, advantages.tolist()):
-                sample["advantage"] = advantage
+            # --- advantages within each group of G
+            set_advantages(samples, cfg)
             # --- loss and update
-            sums = train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id)
+            train_sums = train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id)
             scheduler.step()
             times["time_train"] = time.perf_counter() - timer
             # --- push the new weights into the engine
             timer = time.perf_counter()
             push_weights(model, engine, cfg.bucket_mb, tp_group)
             times["time_push"] = time.perf_counter() - timer
+            times["time_step"] = time.perf_counter() - start
             # --- log, evaluate
-            lengths, scores = [len(s["ids"]) for s in samples], [s["score"] for s in samples]
-            sums.update(reward=sum(scores), accuracy=sum(x >= 1 for x in scores), samples=len(samples),
-                        response_len=sum(lengths), truncated=sum(s["finish"] == "length" for s in samples),
-                        reward_errors=len(errors), groups_dropped=dropped)
-            maxes = {"response_len_max": max(lengths), "grad_norm": sums.pop("grad_norm"),
-                     "skipped_steps": sums.pop("skipped_steps"), **times,
-                     "stop": float(stop.is_set())}  # a signal seen by any rank stops all of them after this step
-            sums, maxes = reduce_over_ranks(sums, maxes, mesh)
-            stopping = maxes.pop("stop")
-            metrics = step_metrics(sums, maxes, scheduler.get_last_lr()[0], time.perf_counter() - start)
+            metrics, stopping = step_metrics(samples, train_sums, errors, dropped, times, stop.is_set(),
+                                             scheduler.get_last_lr()[0], mesh)
             last = step + 1 == cfg.steps
             if cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):
-                metrics.update(evaluate(engine, tokenizer, test_set, pool, cfg, mesh))
+                metrics.update(evaluate(engine, tokenizer, test_set, reward_workers, cfg, mesh))
             if rank == 0:
                 log_step(step, metrics, cfg, wandb_run)
             # --- checkpoint; on SIGTERM / Ctrl-C save and stop
@@ -986,7 +977,7 @@ def main():
     finally:  # no orphaned engine or reward processes, whatever ended the run
         if isinstance(engine, SGLangEngine):
             engine.engine.shutdown()  # and its scheduler processes
-        pool.terminate()
+        reward_workers.close()
     if wandb_run is not None:
         wandb_run.finish()
     dist.barrier()  # gloo aborts a rank whose peer tears down first

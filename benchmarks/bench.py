@@ -10,7 +10,6 @@ op by op; the naive full-vocabulary pass at 4 x 2,048 tokens would need ~20 GB, 
 have shapes and lifetimes but no storage.
 """
 import math
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -72,13 +71,13 @@ def load(rank, world, folder, streamed):
 
 # ----------------------------------------------------------------------------- micro-batches
 def padding(batches):
-    lengths = [[len(s["prompt_ids"]) + len(s["ids"]) for s in batch] for batch in batches]
+    lengths = [[len(s.prompt_ids) + len(s.response_ids) for s in batch] for batch in batches]
     return 1 - sum(map(sum, lengths)) / sum(len(batch) * max(batch) for batch in lengths)
 
 
 def padding_fractions():
     g = torch.Generator().manual_seed(0)  # responses of 200 to 2,000 tokens: lengths vary 10x
-    samples = [{"prompt_ids": [1] * 100, "ids": [2] * int(torch.randint(200, 2001, (1,), generator=g))}
+    samples = [train.Sample([1] * 100, [2] * int(torch.randint(200, 2001, (1,), generator=g)), None)
                for _ in range(64)]
     fixed = train.micro_batches(samples, train.Config(micro_batch_size=8))
     budget = run_ranks(lambda rank, world: padding(train.micro_batches(
@@ -111,7 +110,7 @@ def logits_peak_trainer(rank, world, sequences, length, hidden_size, chunk):
     """train.py's response_logprobs on a 1-layer model with Qwen's vocabulary, vocabulary-sharded over tp = world."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(hidden_size, 1))
-    samples = [{"prompt_ids": [1] * 48, "ids": torch.randint(3, VOCAB, (length - 48,)).tolist()}
+    samples = [train.Sample([1] * 48, torch.randint(3, VOCAB, (length - 48,)).tolist(), None)
                for _ in range(sequences)]
     tp_mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))["tp"]
     cfg = train.Config(logprob_chunk=chunk)
@@ -138,9 +137,9 @@ def stages(rank, world, folder):
     g = torch.Generator().manual_seed(rank)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (16, 32, 48, 64) for _ in range(4)]
     samples, t_gen, m_gen = measure(lambda: engine.generate(prompts, 1.0, 1.0, cfg.max_new_tokens, [2], seed=rank))
-    for prompt, sample in zip(prompts, samples):
-        sample.update(prompt_ids=prompt, advantage=float(torch.randn(1, generator=g)))
-    _, t_logp, m_logp = measure(lambda: train.store_logprobs(model, samples, "old_logp", cfg, mesh, 0))
+    for sample in samples:
+        sample.advantage = float(torch.randn(1, generator=g))
+    _, t_logp, m_logp = measure(lambda: train.store_logprobs(model, samples, "old_logprobs", cfg, mesh, 0))
     _, t_train, m_train = measure(lambda: train.train_on_rollouts(model, optimizer, samples, cfg, mesh, 0))
     return {"build": (t_load, m_load), "generate": (t_gen, m_gen), "logprobs": (t_logp, m_logp),
             "train": (t_train, m_train), "weight gather": (t_push, m_push)}
@@ -160,7 +159,7 @@ def main():
                 results = run_ranks(load, world, folder, streamed, timeout=600)
                 load_peak[streamed, world] = (max(s for s, _ in results), max(m for _, m in results))
         for streamed, name in ((True, "streamed (train.py)"), (False, "naive: each rank reads all")):
-            (t1, m1), (t2, m2) = load_peak[streamed, 1], load_peak[streamed, 2]
+            (_, m1), (t2, m2) = load_peak[streamed, 1], load_peak[streamed, 2]
             rows.append((f"load, {name}", f"{t2:.1f}", f"{m2:.0f}", f"host MB/rank: world 1 {m1:.0f}, world 2 {m2:.0f}",
                          f"world 2 / world 1 = {m2 / m1:.2f}"))
         streamed, naive = load_peak[True, 2][1], load_peak[False, 2][1]

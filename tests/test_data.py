@@ -52,14 +52,14 @@ def test_solver_finds_known_solution_and_rejects_unsolvable():
 
 
 def test_countdown_problems_are_solvable_with_every_number_once():
-    problems = train.countdown_problems(200, seed=0)
+    problems = reward.countdown_problems(200, seed=0)
     assert len(problems) == 200
     for p in problems:
         assert solve_countdown(p["nums"], p["target"]) is not None, p
 
 
 def test_countdown_problems_have_three_or_four_numbers_in_range_and_integer_targets():
-    problems = train.countdown_problems(200, seed=0)
+    problems = reward.countdown_problems(200, seed=0)
     assert {len(p["nums"]) for p in problems} == {3, 4}
     for p in problems:
         assert all(isinstance(n, int) and 1 <= n <= 99 for n in p["nums"]), p
@@ -67,13 +67,13 @@ def test_countdown_problems_have_three_or_four_numbers_in_range_and_integer_targ
 
 
 def test_countdown_problems_are_distinct():
-    problems = train.countdown_problems(500, seed=0)
+    problems = reward.countdown_problems(500, seed=0)
     assert len({key(p) for p in problems}) == 500
 
 
 def test_countdown_problems_follow_the_seed():
-    assert train.countdown_problems(50, seed=3) == train.countdown_problems(50, seed=3)
-    assert {key(p) for p in train.countdown_problems(50, seed=3)} != {key(p) for p in train.countdown_problems(50, 4)}
+    assert reward.countdown_problems(50, seed=3) == reward.countdown_problems(50, seed=3)
+    assert {key(p) for p in reward.countdown_problems(50, seed=3)} != {key(p) for p in reward.countdown_problems(50, 4)}
 
 
 def test_countdown_solution_scores_one_through_reward():
@@ -99,7 +99,7 @@ def test_countdown_item_is_a_chat_prompt_naming_numbers_and_target():
 
 def test_countdown_train_and_test_splits_are_disjoint_and_sized():
     cfg = train.Config(task="countdown", train_size=300, test_size=50)
-    train_rows, test_rows = train.load_rows(cfg, "train"), train.load_rows(cfg, "test")
+    train_rows, test_rows = (reward.load_rows("countdown", split, "", 300, 50, 0) for split in ("train", "test"))
     assert len(train_rows) == 300 and len(test_rows) == 50
     assert len({key(p) for p in train_rows}) == 300 and len({key(p) for p in test_rows}) == 50
     assert not {key(p) for p in train_rows} & {key(p) for p in test_rows}
@@ -108,8 +108,8 @@ def test_countdown_train_and_test_splits_are_disjoint_and_sized():
 
 def test_countdown_test_split_does_not_depend_on_train_size():
     """The held-out set stays the same when only --train_size changes, so evaluations stay comparable."""
-    small = train.load_rows(train.Config(task="countdown", train_size=10, test_size=50), "test")
-    large = train.load_rows(train.Config(task="countdown", train_size=400, test_size=50), "test")
+    small = reward.load_rows("countdown", "test", "", train_size=10, test_size=50, seed=0)
+    large = reward.load_rows("countdown", "test", "", train_size=400, test_size=50, seed=0)
     assert small == large
 
 
@@ -229,10 +229,18 @@ def test_encode_prompt_without_chat_template_renders_plain_template(qwen_tokeniz
     ids = train.encode_prompt(base, MESSAGES)
     assert IM_START not in ids and IM_END not in ids
     text = base.decode(ids)
-    assert text == train.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
+    assert text == reward.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
     assert text.startswith("A conversation between User and Assistant.") and text.endswith("Assistant: <think>")
     assert MESSAGES[0]["content"] in text
     assert qwen_tokenizer.chat_template  # the shared fixture keeps its template
+
+
+def test_plain_template_flag_renders_the_r1_zero_prompt_despite_a_chat_template(qwen_tokenizer):
+    cfg = train.parse_config(["--plain_template", "true"])
+    ids = train.encode_prompt(qwen_tokenizer, MESSAGES, cfg.plain_template)
+    assert qwen_tokenizer.chat_template and IM_START not in ids
+    assert qwen_tokenizer.decode(ids) == reward.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
+    assert IM_START in train.encode_prompt(qwen_tokenizer, MESSAGES, train.parse_config([]).plain_template)
 
 
 def test_encode_prompt_encodes_a_string_prompt_as_is(qwen_tokenizer):
@@ -289,7 +297,7 @@ def test_the_char_tokenizer_has_no_chat_template_so_chat_prompts_render_the_plai
     tok = train.char_tokenizer()
     assert not tok.chat_template
     ids = train.encode_prompt(tok, MESSAGES)  # so chat prompts render the plain template
-    assert tok.decode(ids) == train.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
+    assert tok.decode(ids) == reward.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -393,10 +401,7 @@ def test_unknown_preset_names_the_flag():
     (dict(tp=2), 3, "--tp"),
     (dict(tp=2, prompts_per_step=6), 8, "--prompts_per_step"),  # dp = 4
     (dict(prompts_per_step=8, group_size=3, num_minibatches=5), 2, "--num_minibatches"),  # 12 samples a rank
-    (dict(task="mnist"), 1, "--task"),
-    (dict(loss_agg="mean"), 1, "--loss_agg"),
     (dict(group_size=1), 1, "--group_size"),
-    (dict(kl_estimator="k4"), 1, "--kl_estimator"),
     (dict(loss_agg="constant", beta=-0.1), 1, "--beta"),
     (dict(kl_in_reward=True), 1, "--kl_in_reward"),  # beta 0: nothing to subtract
     (dict(overlong_buffer=-1), 1, "--overlong_buffer"),
@@ -407,6 +412,15 @@ def test_unknown_preset_names_the_flag():
 def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):
     with pytest.raises(SystemExit, match=flag):
         train.check_config(train.Config(**flags), world)
+
+
+@pytest.mark.parametrize("flag, value", [("--task", "mnist"), ("--loss_agg", "mean"), ("--kl_estimator", "k4"),
+                                         ("--engine", "vllm"), ("--lr_schedule", "linear")])
+def test_a_choice_outside_its_list_is_refused_naming_the_flag_and_the_choices(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_config([flag, value])
+    error = capsys.readouterr().err
+    assert f"argument {flag}" in error and f"invalid choice: '{value}'" in error and "choose from" in error
 
 
 def test_check_config_accepts_valid_configs():

@@ -1,6 +1,5 @@
 """The CPU rollout engine: sampled ids kept exactly (stop token included), its logprobs, seeding, weight pushes
 from a sharded policy, and the broadcast of rollouts to the other ranks of a tp group."""
-import multiprocessing
 import random
 
 import pytest
@@ -10,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 import reward
 import train
-from test_parallel import VOCAB, save_reference, sharded_model, tiny_config
+from test_parallel import save_reference, sharded_model, tiny_config
 from workers import run_ranks
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -29,12 +28,12 @@ def tiny_engine(seed=0):
 def test_samples_end_at_the_first_stop_token_or_the_length_limit():
     engine, _ = tiny_engine()
     samples = engine.generate(PROMPTS * 20, 1.0, 1.0, 12, STOP, seed=0)
-    stopped = [s["ids"][-1] in STOP for s in samples]
+    stopped = [s.response_ids[-1] in STOP for s in samples]
     assert any(stopped) and not all(stopped)
     for s, stop in zip(samples, stopped):
-        assert all(t not in STOP for t in s["ids"][:-1])  # nothing after the first stop token
-        assert len(s["ids"]) <= 12 if stop else len(s["ids"]) == 12
-        assert len(s["logprobs"]) == len(s["ids"])
+        assert all(t not in STOP for t in s.response_ids[:-1])  # nothing after the first stop token
+        assert len(s.response_ids) <= 12 if stop else len(s.response_ids) == 12
+        assert len(s.engine_logprobs) == len(s.response_ids)
 
 
 def test_engine_logprobs_are_those_of_the_tempered_distribution_it_samples():
@@ -43,10 +42,10 @@ def test_engine_logprobs_are_those_of_the_tempered_distribution_it_samples():
     samples = engine.generate(PROMPTS, temperature, 1.0, 10, STOP, seed=1)
     for prompt, s in zip(PROMPTS, samples):
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + s["ids"]])).logits[0].double()
+            logits = model(torch.tensor([prompt + s.response_ids])).logits[0].double()
         want = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1:-1]
-        want = want.gather(-1, torch.tensor(s["ids"])[:, None]).squeeze(-1)
-        assert (torch.tensor(s["logprobs"], dtype=torch.float64) - want).abs().max() < 1e-5
+        want = want.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
+        assert (s.engine_logprobs.double() - want).abs().max() < 1e-5
 
 
 def test_same_seed_same_samples_and_the_global_rng_is_untouched():
@@ -55,7 +54,7 @@ def test_same_seed_same_samples_and_the_global_rng_is_untouched():
     a = engine.generate(PROMPTS, 1.0, 1.0, 8, STOP, seed=7)
     b = engine.generate(PROMPTS, 1.0, 1.0, 8, STOP, seed=7)
     c = engine.generate(PROMPTS, 1.0, 1.0, 8, STOP, seed=8)
-    assert [s["ids"] for s in a] == [s["ids"] for s in b] != [s["ids"] for s in c]
+    assert [s.response_ids for s in a] == [s.response_ids for s in b] != [s.response_ids for s in c]
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
@@ -66,7 +65,7 @@ def test_greedy_decoding_at_temperature_zero():
     with torch.no_grad():
         for _ in range(6):
             ids.append(model(torch.tensor([ids])).logits[0, -1].argmax().item())
-    assert s["ids"] == ids[len(PROMPTS[0]):]
+    assert s.response_ids == ids[len(PROMPTS[0]):]
 
 
 def push_then_generate(rank, world, folder, dp, tp):
@@ -82,18 +81,22 @@ def push_then_generate(rank, world, folder, dp, tp):
     cfg = train.Config(group_size=3, max_new_tokens=8, temperature=1.0)
     rows = [{"prompt": "ab", "task": "toy", "target": "a"}, {"prompt": "cde", "task": "toy", "target": "b"}]
     tokenizer = train.char_tokenizer()
-    with multiprocessing.get_context("fork").Pool(1) as pool:
-        samples, errors = train.generate_rollouts(engine, pool, tokenizer, rows, cfg, 5, mesh["tp"].get_group(), 3, 1.0)
+    workers = reward.RewardWorkers(1, timeout=5.0)
+    try:
+        samples, errors = train.generate_rollouts(engine, workers, tokenizer, rows, cfg, 5, mesh["tp"].get_group(), 3,
+                                                  1.0)
+    finally:
+        workers.close()
     with torch.no_grad():
         trainer_logp, _ = train.response_logprobs(model, samples, cfg, mesh["tp"], tokenizer.pad_token_id)
-    texts = [tokenizer.decode(s["ids"], skip_special_tokens=True) for s in samples]
-    scores_right = errors == [] and [s["score"] for s in samples] == [
+    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    scores_right = errors == [] and [s.score for s in samples] == [
         reward.toy_reward(text, row["target"]) for text, row in zip(texts, [rows[0]] * 3 + [rows[1]] * 3)]
-    engine_logp = torch.tensor([lp for s in samples for lp in s["logprobs"]])
+    engine_logp = torch.tensor([lp for s in samples for lp in s.engine_logprobs])
     weights_equal = engine is None or all(torch.equal(p, state[k]) for k, p in engine.model.named_parameters())
     stop_ids = train.stop_token_ids(tokenizer)
-    finish_right = all(s["finish"] == ("stop" if s["ids"][-1] in stop_ids else "length") for s in samples)
-    return {"ids": [(s["prompt_ids"], s["ids"]) for s in samples], "weights_equal": weights_equal,
+    finish_right = all(s.truncated == (s.response_ids[-1] not in stop_ids) for s in samples)
+    return {"ids": [(s.prompt_ids, s.response_ids) for s in samples], "weights_equal": weights_equal,
             "finish_right": finish_right and len(samples) == 6, "scores_right": scores_right,
             "mismatch": (trainer_logp - engine_logp).abs().max().item()}
 
@@ -154,12 +157,15 @@ def collect(rank, world, dataset, rounds):
     config = Qwen2Config(vocab_size=len(tokenizer), **train.TINY_MODEL)
     engine = train.HFEngine(config, torch.device("cpu"), tokenizer.pad_token_id)
     cfg = train.Config(prompts_per_step=4, group_size=3, max_new_tokens=2, dynamic_sampling_rounds=rounds)
-    with multiprocessing.get_context("fork").Pool(2) as pool:
-        samples, errors, dropped = train.collect_rollouts(engine, pool, dataset, tokenizer, cfg, 7, mesh)
+    workers = reward.RewardWorkers(2, timeout=5.0)
+    try:
+        samples, errors, dropped = train.collect_rollouts(engine, workers, dataset, tokenizer, cfg, 7, mesh)
+    finally:
+        workers.close()
     groups = [samples[i:i + 3] for i in range(0, len(samples), 3)]
     # The rows each round drew, for an independent count of what should have happened.
     drawn = [train.step_rows(dataset, 7, cfg, 0, 1, r) for r in range(rounds + 1)]
-    return [[s["prompt_ids"] for s in g] for g in groups], [[s["reward"] for s in g] for g in groups], errors, \
+    return [[s.prompt_ids for s in g] for g in groups], [[s.reward for s in g] for g in groups], errors, \
         dropped, [[row["flat"] for row in rows] for rows in drawn]
 
 

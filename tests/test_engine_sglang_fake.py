@@ -194,13 +194,12 @@ def test_generate_keeps_ids_exactly_with_the_stop_token(sglang):
     assert n == len(prompts)
     assert params == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": limit, "stop_token_ids": stop}
     raw = fake.generate(input_ids=prompts, sampling_params=params, return_logprob=True)  # deterministic
-    for s, o in zip(samples, raw):
-        assert s["ids"] == o["output_ids"]  # the stop token stays in
-        assert s["logprobs"] == [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
-        assert set(s) == {"ids", "logprobs"}  # finish is decided from the ids, for every engine alike
+    for prompt, s, o in zip(prompts, samples, raw):
+        assert s.prompt_ids == prompt and s.response_ids == o["output_ids"]  # the stop token stays in
+        assert torch.equal(s.engine_logprobs, torch.tensor([lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]))
     # Prompt 2 sampled its stop token exactly at the limit: 0.5.17 reports "length", yet the ids end in the stop.
     assert raw[2]["meta_info"]["finish_reason"]["type"] == "length"
-    assert len(samples[2]["ids"]) == limit and samples[2]["ids"][-1] in stop
+    assert len(samples[2].response_ids) == limit and samples[2].response_ids[-1] in stop
 
 
 # ----------------------------------------------------------------------------- config

@@ -35,7 +35,7 @@ def gpu_config():
 def rollout(engine, cfg, prompts):
     samples = engine.generate(prompts, cfg.temperature, cfg.top_p, cfg.max_new_tokens, [2], seed=0)
     for prompt, s in zip(prompts, samples):
-        s["prompt_ids"] = prompt
+        s.prompt_ids = prompt
     return samples
 
 
@@ -45,7 +45,7 @@ def mismatch(model, samples, cfg, tp_mesh):
     if hasattr(model, "reshard"):
         model.reshard()  # FSDP2 leaves root parameters unsharded after a forward; the push and the edits below
         # must see the sharded fp32 masters
-    engine = torch.tensor([lp for s in samples for lp in s["logprobs"]], device=trainer.device)
+    engine = torch.tensor([lp for s in samples for lp in s.engine_logprobs], device=trainer.device)
     diff = (trainer.float() - engine).abs()
     return diff.mean().item(), diff.max().item()
 
@@ -85,7 +85,7 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
         samples = rollout(engine, cfg, prompts)
         first = mismatch(model, samples, cfg, mesh["tp"])
         print(f"\npush {push_s:.3f}s; first push: mean |dlogp| {first[0]:.4f}, max {first[1]:.4f} "
-              f"over {sum(len(s['ids']) for s in samples)} tokens")
+              f"over {sum(len(s.response_ids) for s in samples)} tokens")
         assert first[0] < MEAN_TOL and first[1] < MAX_TOL
 
         # New weights: noise on every master shard. The old policy stays around, unsharded in bf16, to show what a

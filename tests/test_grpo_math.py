@@ -80,9 +80,9 @@ def test_policy_loss_value_and_gradient_match_the_formula(estimator):
     assert ent.grad.tolist() == pytest.approx((-0.01 * weights).tolist())
     ratios = torch.exp(logp - old).detach()
     clipped = ((ratios < 0.8) & (adv < 0)) | ((ratios > 1.28) & (adv > 0))
-    assert metrics["clip_frac"] == clipped.sum().item() > 0
-    assert metrics["kl"] == pytest.approx(sum(kl_estimate(d, estimator) for d in (logp - ref).tolist()))
-    assert metrics["entropy"] == pytest.approx(ent.sum().item())
+    assert metrics["clip_frac"].item() == clipped.sum().item() > 0
+    assert metrics["kl"].item() == pytest.approx(sum(kl_estimate(d, estimator) for d in (logp - ref).tolist()))
+    assert metrics["entropy"].item() == pytest.approx(ent.sum().item())
 
 
 def test_kl_in_the_reward_leaves_it_out_of_the_loss_but_still_measures_it():
@@ -91,8 +91,8 @@ def test_kl_in_the_reward_leaves_it_out_of_the_loss_but_still_measures_it():
     loss, metrics = train.policy_loss(logp, old, adv, weights, cfg, ref, ent)
     without = train.Config(beta=0.0)
     assert loss.item() == pytest.approx(train.policy_loss(logp, old, adv, weights, without, None, ent)[0].item())
-    assert metrics["kl"] == pytest.approx(sum(kl_estimate(d, "k3") for d in (logp - ref).tolist()))
-    assert metrics["kl"] > 0
+    assert metrics["kl"].item() == pytest.approx(sum(kl_estimate(d, "k3") for d in (logp - ref).tolist()))
+    assert metrics["kl"].item() > 0
 
 
 def test_k1_k2_k3_estimate_the_kl_between_two_distributions():
@@ -117,14 +117,14 @@ def aggregated_loss(rank, world, loss_agg, lengths, max_new_tokens):
     """The trainer's loss for one batch of sequences (all on one rank): weights, then the weighted token sum."""
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
     g = torch.Generator().manual_seed(3)
-    samples = [{"ids": [0] * n} for n in lengths]
+    samples = [train.Sample([], [0] * n, None) for n in lengths]
     cfg = train.Config(loss_agg=loss_agg, max_new_tokens=max_new_tokens, clip_low=0.2, clip_high=0.28)
     train.set_loss_weights(samples, cfg, mesh["dp"].get_group())
     n = sum(lengths)
     old = -torch.rand(n, generator=g, dtype=torch.float64)
     logp = (old + torch.randn(n, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
     adv = torch.repeat_interleave(torch.randn(len(lengths), generator=g, dtype=torch.float64), torch.tensor(lengths))
-    weights = train.flat(samples, "weight", "cpu").double()
+    weights = train.per_token(samples, "loss_weight", "cpu").double()
     loss, _ = train.policy_loss(logp, old, adv, weights, cfg, None, torch.zeros(n, dtype=torch.float64))
     loss.backward()
     return loss.item(), logp.grad.tolist(), old.tolist(), logp.tolist(), adv.tolist()
@@ -161,11 +161,11 @@ def naive_logprobs(model, samples, temperature):
     """Full-vocabulary softmax over whole sequences in float64, one sample at a time."""
     logps, ents = [], []
     for s in samples:
-        ids = torch.tensor([s["prompt_ids"] + s["ids"]])
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
         logits = model(ids).logits[0].double() / temperature
-        p = len(s["prompt_ids"])
+        p = len(s.prompt_ids)
         log_probs = torch.log_softmax(logits[p - 1:-1], -1)
-        logps.append(log_probs.gather(-1, torch.tensor(s["ids"])[:, None]).squeeze(-1))
+        logps.append(log_probs.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1))
         ents.append(-(log_probs.exp() * log_probs).sum(-1))
     return torch.cat(logps), torch.cat(ents)
 
@@ -201,7 +201,7 @@ def peak_logits(rank, world, chunk, n, tp):
         ones = torch.ones_like(logp)
         loss, _ = train.policy_loss(logp, logp.detach(), ones, ones, cfg, None, entropy)
         loss.backward()
-    return tracker.peak, sum(len(s["ids"]) for s in samples)
+    return tracker.peak, sum(len(s.response_ids) for s in samples)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -243,12 +243,12 @@ def loss_weights(rank, world, loss_agg):
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
     samples = make_samples(6, seed=4)[rank * 3:(rank + 1) * 3]
     train.set_loss_weights(samples, train.Config(loss_agg=loss_agg, max_new_tokens=16), mesh["dp"].get_group())
-    return train.flat(samples, "weight", "cpu").tolist()
+    return train.per_token(samples, "loss_weight", "cpu").tolist()
 
 
 def test_loss_weights_follow_the_aggregation_over_all_ranks():
     samples = make_samples(6, seed=4)
-    lengths = [len(s["ids"]) for s in samples]
+    lengths = [len(s.response_ids) for s in samples]
     # FSDP averages over dp = 2, so each weight carries a factor 2.
     token = sum(run_ranks(loss_weights, 2, "token"), [])
     assert token == pytest.approx([2 / sum(lengths)] * sum(lengths))
@@ -265,7 +265,7 @@ def step_with_nan_advantage(rank, world, folder):
     before = {k: v.clone() for k, v in before.items()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     samples = make_samples(4, seed=5)
-    samples[0]["advantage"] = float("nan")
+    samples[0].advantage = float("nan")
     sums = train.train_on_rollouts(model, optimizer, samples, train.Config(), mesh, 0)
     after = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return sums["skipped_steps"], max((after[k] - before[k]).abs().max().item() for k in before)
@@ -295,8 +295,8 @@ def test_engine_mismatch_sums_and_truncated_importance_weights_match_the_formula
     trainer, engine = engine_and_trainer_logprobs()
     weights, sums = train.engine_mismatch(trainer, engine, cap)
     ratios = [math.exp(t) / math.exp(e) for t, e in zip(trainer.tolist(), engine.tolist())]  # p_trainer / p_engine
-    assert sums["mismatch_abs"] == pytest.approx(sum(abs(math.log(r)) for r in ratios), rel=1e-12)
-    assert sums["mismatch_kl"] == pytest.approx(sum(r - 1 - math.log(r) for r in ratios), rel=1e-10)  # k3
+    assert sums["mismatch_abs"].item() == pytest.approx(sum(abs(math.log(r)) for r in ratios), rel=1e-12)
+    assert sums["mismatch_kl"].item() == pytest.approx(sum(r - 1 - math.log(r) for r in ratios), rel=1e-10)  # k3
     if cap == 0:
         assert weights is None
     else:
@@ -307,7 +307,8 @@ def test_engine_mismatch_sums_and_truncated_importance_weights_match_the_formula
 def test_identical_logprobs_give_no_mismatch_and_unit_weights():
     trainer, _ = engine_and_trainer_logprobs()
     weights, sums = train.engine_mismatch(trainer, trainer.clone(), 2.0)
-    assert sums == {"mismatch_abs": 0.0, "mismatch_kl": 0.0} and weights.tolist() == [1.0] * len(trainer)
+    assert {k: v.item() for k, v in sums.items()} == {"mismatch_abs": 0.0, "mismatch_kl": 0.0}
+    assert weights.tolist() == [1.0] * len(trainer)
 
 
 def test_importance_weights_scale_only_the_policy_gradient_term():

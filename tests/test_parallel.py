@@ -42,8 +42,9 @@ def make_samples(n, seed):
     for _ in range(n):
         prompt_len, response_len = torch.randint(2, 7, (2,), generator=g).tolist()
         ids = torch.randint(1, VOCAB, (prompt_len + response_len,), generator=g).tolist()
-        samples.append({"prompt_ids": ids[:prompt_len], "ids": ids[prompt_len:], "finish": "stop",
-                        "advantage": torch.randn((), generator=g).item(), "logprobs": [0.0] * response_len})
+        samples.append(train.Sample(prompt_ids=ids[:prompt_len], response_ids=ids[prompt_len:],
+                                    engine_logprobs=torch.zeros(response_len),
+                                    advantage=torch.randn((), generator=g).item()))
     return samples
 
 
@@ -53,19 +54,19 @@ def reference_step(model, minibatches, lr, max_norm, optimizer_name, clip_low=0.
     optimizer = make_optimizer(optimizer_name, model.parameters(), lr)
 
     def logprobs(s):
-        logits = model(torch.tensor([s["prompt_ids"] + s["ids"]])).logits[0].double()
-        p = len(s["prompt_ids"])
-        return torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, torch.tensor(s["ids"])[:, None]).squeeze(-1)
+        logits = model(torch.tensor([s.prompt_ids + s.response_ids])).logits[0].double()
+        p = len(s.prompt_ids)
+        return torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
 
     with torch.no_grad():
         old = [[logprobs(s) for s in minibatch] for minibatch in minibatches]
     norms = []
     for minibatch, old_logps in zip(minibatches, old):
-        total_tokens = sum(len(s["ids"]) for s in minibatch)
+        total_tokens = sum(len(s.response_ids) for s in minibatch)
         loss = 0.0
         for s, old_logp in zip(minibatch, old_logps):
             ratio = torch.exp(logprobs(s) - old_logp)
-            adv = s["advantage"]
+            adv = s.advantage
             surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
             loss = loss - surrogate.sum() / total_tokens
         loss.backward()
@@ -88,7 +89,7 @@ def sharded_vs_unsharded(rank, world, folder, dp, tp, optimizer_name, max_norm, 
     optimizer = make_optimizer(optimizer_name, model.parameters(), lr)  # before the first forward
 
     samples = make_samples(8, seed=1)
-    ids = torch.tensor([s["prompt_ids"][:2] + s["ids"][:1] for s in samples])
+    ids = torch.tensor([s.prompt_ids[:2] + s.response_ids[:1] for s in samples])
     with torch.no_grad():
         logits_diff = (model(ids).logits - reference(ids).logits).abs().max().item()
 
@@ -97,7 +98,7 @@ def sharded_vs_unsharded(rank, world, folder, dp, tp, optimizer_name, max_norm, 
     per_rank = [samples[r * share:(r + 1) * share] for r in range(dp)]
     model.train()
     mine = per_rank[mesh["dp"].get_local_rank()]
-    train.store_logprobs(model, mine[len(mine) // num_minibatches:], "old_logp", cfg, mesh, 0)
+    train.store_logprobs(model, mine[len(mine) // num_minibatches:], "old_logprobs", cfg, mesh, 0)
     sums = train.train_on_rollouts(model, optimizer, mine, cfg, mesh, 0)
     # Mini-batch m of the whole batch is the m-th slice of every rank's share.
     size = share // num_minibatches
@@ -176,13 +177,13 @@ def initial_weights(folder):
 
 
 def lengths_of(batches):
-    return [[len(s["prompt_ids"]) + len(s["ids"]) for s in batch] for batch in batches]
+    return [[len(s.prompt_ids) + len(s.response_ids) for s in batch] for batch in batches]
 
 
 def budget_batches(rank, world, budget):
     g = torch.Generator().manual_seed(rank)
     # Lengths vary 10x: rank 0 has mostly short sequences, rank 1 mostly long ones.
-    samples = [{"prompt_ids": [1] * 5, "ids": [2] * int(torch.randint(5, 50 if rank else 15, (1,), generator=g))}
+    samples = [train.Sample([1] * 5, [2] * int(torch.randint(5, 50 if rank else 15, (1,), generator=g)), None)
                for _ in range(16)]
     batches = train.micro_batches(samples, train.Config(max_tokens_per_microbatch=budget))
     return lengths_of([samples]), lengths_of(batches)
@@ -218,7 +219,7 @@ def padding_fraction(batches):
 
 def test_token_budget_cuts_padding_when_lengths_vary_tenfold():
     g = torch.Generator().manual_seed(0)
-    samples = [{"prompt_ids": [1] * 10, "ids": [2] * int(torch.randint(20, 200, (1,), generator=g))}
+    samples = [train.Sample([1] * 10, [2] * int(torch.randint(20, 200, (1,), generator=g)), None)
                for _ in range(64)]
     fixed = lengths_of(train.micro_batches(samples, train.Config(micro_batch_size=8)))
     run = run_ranks(lambda rank, world: padding_fraction(lengths_of(

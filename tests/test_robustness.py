@@ -32,13 +32,6 @@ def reward_fn(completion, sample):
 '''
 
 
-class IdsAreText:
-    """A tokenizer for samples whose "ids" already hold the text."""
-
-    def decode(self, ids, skip_special_tokens):
-        return ids
-
-
 @pytest.fixture
 def bad_reward(monkeypatch):
     namespace = {"reward_fn": reward.reward_fn}
@@ -48,16 +41,14 @@ def bad_reward(monkeypatch):
 
 def test_raising_and_hanging_rewards_score_zero_and_the_rest_score_normally(bad_reward):
     texts = ["aaaa", "abab", "aaaa", "acac", "adad", "aaxx"]
-    samples = [{"ids": text} for text in texts]
-    rows = [{"task": "toy", "target": "a"}] * 3
-    pool = multiprocessing.get_context("fork").Pool(2, initializer=os.setsid)
+    items = [{"task": "toy", "target": "a"}] * 6
+    workers = reward.RewardWorkers(2, timeout=0.5)
     start = time.perf_counter()
     try:
-        cfg = train.Config(reward_workers=2, reward_timeout=0.5)
-        rewards, errors = train.score(pool, samples, rows, IdsAreText(), cfg)
+        rewards, errors = workers.score(texts, items)
     finally:
         seconds = time.perf_counter() - start
-        pool.terminate()
+        workers.close()
     assert rewards == [1.0, 0.0, 1.0, 0.0, 0.0, 0.5]
     assert len(errors) == 3
     assert "a bug in the user's reward" in errors[0] and "TimeoutError" in errors[1]
