@@ -232,6 +232,18 @@ PLAIN_TEMPLATE = ("A conversation between User and Assistant. The user asks a qu
                   "<answer> answer here </answer>. User: {question} Assistant: <think>")
 
 
+def encode_prompt(tokenizer, prompt: list[dict] | str, plain_template: bool = False) -> list[int]:
+    """Token ids of a prompt: the chat template, or the R1-Zero plain template when the tokenizer has none or
+    --plain_template asks for it."""
+    if isinstance(prompt, str):
+        text = prompt
+    elif tokenizer.chat_template and not plain_template:
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    else:
+        text = PLAIN_TEMPLATE.format(question=prompt[-1]["content"])
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
 def load_rows(task: str, split: str, data_path: str, train_size: int, test_size: int, seed: int) -> list[dict]:
     """The raw rows of one split. Countdown and toy rows are generated (the test split first, so they are disjoint),
     so the default job needs no download; gsm8k and math come from a hub id or a local folder of splits."""

@@ -74,6 +74,8 @@ class Config:
     # loss (README has the settings of GRPO, Dr. GRPO and DAPO)
     clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
     clip_high: float = 0.28  # and above at 1 + clip_high (clip-higher, DAPO)
+    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's one ratio per response (README: recipe)
+    objective: Literal["clip", "cispo"] = "clip"  # cispo: a clipped, detached ratio weights every token's log p
     loss_agg: Literal["token", "sequence", "constant"] = "token"  # DAPO's token mean | GRPO's | Dr. GRPO's constant
     scale_std: bool = True  # divide advantages by the group's std (False: Dr. GRPO)
     beta: float = 0.0  # weight of the KL to the initial policy; 0 builds no reference model
@@ -82,7 +84,9 @@ class Config:
     entropy_coef: float = 0.0  # entropy bonus
     overlong_buffer: int = 0  # > 0: DAPO's soft overlong penalty, 0 down to -1 over the last N tokens of the limit
     dynamic_sampling_rounds: int = 0  # > 0: DAPO's dynamic sampling, refilling dropped groups in up to N more rounds
-    tis_cap: float = 0.0  # > 0: truncated importance sampling, tokens weighted by min(p_old / p_engine, tis_cap)
+    tis_cap: float = 0.0  # > 0: importance sampling against the engine / trainer mismatch, r = p_old / p_engine
+    is_mode: Literal["truncate", "mask"] = "truncate"  # with --tis_cap: weight min(r, cap), or 0 outside [1/cap, cap]
+    is_level: Literal["token", "sequence"] = "token"  # with --tis_cap: r per token, or its response's geometric mean
     logprob_chunk: int = 1024  # response tokens per chunk of fp32 full-vocabulary logits
     # optimisation, parallelism and memory
     steps: int = 200
@@ -150,6 +154,8 @@ def check_config(cfg, world):
         raise SystemExit("--kl_in_reward needs --beta above 0: beta scales the KL penalty")
     if cfg.overlong_buffer > cfg.max_new_tokens:
         raise SystemExit("--overlong_buffer must be at most --max_new_tokens")
+    if (cfg.is_mode, cfg.is_level) != ("truncate", "token") and cfg.tis_cap <= 1:
+        raise SystemExit("--is_mode and --is_level act through --tis_cap: set it above 1, the bound on the ratio")
     if cfg.engine == "sglang":
         if importlib.util.find_spec("sglang") is None:
             raise SystemExit("--engine sglang needs SGLang: pip install -r requirements.txt (sglang==0.5.23), "
@@ -208,18 +214,6 @@ def char_tokenizer():
                                    additional_special_tokens=["<|im_start|>"])
 
 
-def encode_prompt(tokenizer, prompt, plain_template=False):
-    """Token ids of a prompt: the chat template, or the R1-Zero plain template when the tokenizer has none or
-    --plain_template asks for it."""
-    if isinstance(prompt, str):
-        text = prompt
-    elif tokenizer.chat_template and not plain_template:
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    else:
-        text = reward.PLAIN_TEMPLATE.format(question=prompt[-1]["content"])
-    return tokenizer(text, add_special_tokens=False).input_ids
-
-
 def stop_token_ids(tokenizer):
     """EOS of the tokenizer plus Qwen's end-of-turn and end-of-text tokens, where the vocabulary has them."""
     vocab = tokenizer.get_vocab()
@@ -239,8 +233,7 @@ def step_rows(dataset, step, cfg, dp_rank, dp, sampling_round=0):
 
 @dataclass
 class Sample:
-    """One sampled response and what the step learns about it. Per-token fields are float32 tensors [T], one value
-    per response token."""
+    """One sampled response and what the step learns about it; per-token fields are float32 tensors [T]."""
     prompt_ids: list[int]  # the prompt's tokens as the engine saw them
     response_ids: list[int]  # the tokens exactly as sampled, the stop token included: never re-tokenised
     engine_logprobs: torch.Tensor  # the engine's log-probs of response_ids, of logits / temperature
@@ -272,7 +265,11 @@ QK_NORM_PLAN = {"self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_o
 
 def parallelize(model, mesh, activation_checkpointing, offload=False):
     """TP inside each decoder layer, then activation checkpointing, then FSDP per layer and at the root."""
-    if mesh["tp"].size() > 1:
+    tp = mesh["tp"].size()
+    for field in ("num_attention_heads", "num_key_value_heads"):  # each rank computes whole heads
+        if getattr(model.config, field) % tp:
+            raise SystemExit(f"--tp {tp} must divide the model's {field} ({getattr(model.config, field)})")
+    if tp > 1:
         for layer in model.model.layers:
             qk_norm = QK_NORM_PLAN if hasattr(layer.self_attn, "q_norm") else {}
             parallelize_module(layer, mesh["tp"], {**TP_PLAN, **qk_norm})
@@ -286,18 +283,6 @@ def parallelize(model, mesh, activation_checkpointing, offload=False):
     for layer in model.model.layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
-
-
-def model_config_for(cfg, tokenizer):
-    """The model's config (--model tiny: TINY_MODEL), checked against --tp."""
-    if cfg.model == "tiny":
-        model_config = Qwen2Config(vocab_size=len(tokenizer), **TINY_MODEL)
-    else:
-        model_config = AutoConfig.from_pretrained(cfg.model)
-    for field in ("num_attention_heads", "num_key_value_heads"):
-        if getattr(model_config, field) % cfg.tp:
-            raise SystemExit(f"--tp {cfg.tp} must divide the model's {field} ({getattr(model_config, field)})")
-    return model_config
 
 
 def build_model(model_config, mesh, device, activation_checkpointing=False, offload=False):
@@ -497,7 +482,7 @@ def push_weights(model, engine, bucket_mb, tp_group):
 # ----------------------------------------------------------------------------- rollouts and rewards
 def generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, seed, tp_group, n, temperature):
     """n scored samples per prompt from this tp group's engine; the tracebacks of failed reward_fn calls."""
-    prompts = [encode_prompt(tokenizer, row["prompt"], cfg.plain_template) for row in rows for _ in range(n)]
+    prompts = [reward.encode_prompt(tokenizer, row["prompt"], cfg.plain_template) for row in rows for _ in range(n)]
     stop_ids = stop_token_ids(tokenizer)
     samples = on_first_rank(
         lambda: engine.generate(prompts, temperature, cfg.top_p, cfg.max_new_tokens, stop_ids, seed), tp_group)
@@ -527,10 +512,7 @@ def collect_rollouts(engine, reward_workers, dataset, tokenizer, cfg, step, mesh
         for i in range(0, len(samples), cfg.group_size):
             group = samples[i:i + cfg.group_size]
             no_signal = len({s.score for s in group}) == 1  # as DAPO: on reward_fn's score, not the shaping
-            if no_signal and cfg.dynamic_sampling_rounds:
-                dropped.append(group)
-            else:
-                kept.append(group)
+            (dropped if no_signal and cfg.dynamic_sampling_rounds else kept).append(group)
         if len(kept) >= len(rows):
             break
     filled = dropped[:max(0, len(rows) - len(kept))]
@@ -593,14 +575,11 @@ def response_logprobs(model, samples, cfg, tp_mesh, pad_id):
     # backward gathers the vocabulary slices' gradients over tp, and sums hidden's.
     weight = DTensor.from_local(model.lm_head.weight, tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(0)])
     hidden = DTensor.from_local(hidden, tp_mesh, [Replicate()])
-    parts = []
-    for start in range(0, len(targets), cfg.logprob_chunk):
-        chunk = (hidden[start:start + cfg.logprob_chunk], weight, targets[start:start + cfg.logprob_chunk],
-                 cfg.temperature or 1.0, tp_mesh)
-        if torch.is_grad_enabled():
-            parts.append(checkpoint(logprobs_and_entropy, *chunk, use_reentrant=False))
-        else:
-            parts.append(logprobs_and_entropy(*chunk))
+    compute = logprobs_and_entropy
+    if torch.is_grad_enabled():
+        compute = functools.partial(checkpoint, logprobs_and_entropy, use_reentrant=False)
+    parts = [compute(hidden[start:start + cfg.logprob_chunk], weight, targets[start:start + cfg.logprob_chunk],
+                     cfg.temperature or 1.0, tp_mesh) for start in range(0, len(targets), cfg.logprob_chunk)]
     logp, entropy = zip(*parts)
     return torch.cat(logp), torch.cat(entropy)
 
@@ -614,18 +593,33 @@ KL_ESTIMATORS = {
 }
 
 
-def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy=None, is_weights=None):
-    """Clipped surrogate per response token [N], scaled by `is_weights` (truncated IS), plus beta x KL unless
-    --kl_in_reward, minus the entropy bonus, summed with `weights`; and metric sums over the tokens (tensors, so
-    no device sync per micro-batch)."""
-    ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
+def response_means(x, lengths):
+    """The mean of per-token values x [N] over each response's tokens [R]; lengths [R]: tokens per response."""
+    index = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
+    return x.new_zeros(len(lengths)).index_add(0, index, x) / lengths
+
+
+def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy=None, is_weights=None,
+                lengths=None):
+    """The policy-gradient term per response token [N] (clipped surrogate, or CISPO's), scaled by `is_weights`
+    (engine mismatch), plus beta x KL unless --kl_in_reward, minus the entropy bonus, summed with `weights`; and
+    metric sums over the tokens (tensors: no device sync per micro-batch). `lengths`: tokens of each response."""
+    log_ratio = logp - old_logp
+    if cfg.ratio_level == "sequence":  # GSPO-token: value s_i = exp(response mean of log ratio), gradient s_i x d log p
+        log_ratio = response_means(log_ratio, lengths).repeat_interleave(lengths).detach() + logp - logp.detach()
+    ratio = torch.exp(log_ratio)
+    if cfg.objective == "cispo":  # MiniMax-M1: the ratio, clipped and detached, weights log p; no token is dropped
+        per_token = -ratio.detach().clamp(max=1 + cfg.clip_high) * advantages * logp
+        clip_mask = ratio.detach() > 1 + cfg.clip_high
+    else:
+        unclipped = ratio * advantages
+        clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * advantages
+        per_token = -torch.minimum(unclipped, clipped)
+        clip_mask = clipped < unclipped
     if is_weights is not None:
         per_token = per_token * is_weights
     zero = logp.new_zeros(())
-    metrics = {"clip_frac": (clipped < unclipped).sum(), "kl": zero, "entropy": zero}
+    metrics = {"clip_frac": clip_mask.sum(), "kl": zero, "entropy": zero}
     if ref_logp is not None:
         kl = KL_ESTIMATORS[cfg.kl_estimator](logp - ref_logp)
         metrics["kl"] = kl.detach().sum()
@@ -638,12 +632,23 @@ def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy
     return (per_token * weights).sum(), metrics
 
 
-def engine_mismatch(trainer_logp, engine_logp, tis_cap):
-    """Truncated importance weights min(p_trainer / p_engine, tis_cap) (None if tis_cap is 0), and sums of |log
-    ratio| and of k3 KL(engine || trainer) over the sampled tokens: a stale or wrong weight push shows here."""
+def engine_mismatch(trainer_logp, engine_logp, cfg, lengths):
+    """Weights against the engine / trainer mismatch r = p_trainer / p_engine (per token, or its response's geometric
+    mean): min(r, --tis_cap), or 1 inside [1 / cap, cap] and 0 outside; None at cap 0. And sums of |log r|, of k3
+    KL(engine || trainer) (a stale or wrong weight push shows here) and of the tokens and responses masked."""
     log_ratio = trainer_logp - engine_logp
-    sums = {"mismatch_abs": log_ratio.abs().sum(), "mismatch_kl": KL_ESTIMATORS["k3"](-log_ratio).sum()}
-    return (log_ratio.exp().clamp(max=tis_cap) if tis_cap > 0 else None), sums
+    sums = {"mismatch_abs": log_ratio.abs().sum(), "mismatch_kl": KL_ESTIMATORS["k3"](-log_ratio).sum(),
+            "is_masked_tokens": 0, "is_masked_responses": 0}
+    if cfg.tis_cap == 0:
+        return None, sums
+    if cfg.is_level == "sequence":
+        log_ratio = response_means(log_ratio, lengths).repeat_interleave(lengths)
+    ratio = log_ratio.exp()
+    if cfg.is_mode == "truncate":
+        return ratio.clamp(max=cfg.tis_cap), sums
+    masked = (ratio < 1 / cfg.tis_cap) | (ratio > cfg.tis_cap)
+    sums.update(is_masked_tokens=masked.sum(), is_masked_responses=(response_means(masked.float(), lengths) > 0).sum())
+    return (~masked).float(), sums
 
 
 def set_loss_weights(samples, cfg, dp_group):
@@ -726,10 +731,12 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id):
         for batch in micro_batches(minibatch, cfg):
             logp, entropy = response_logprobs(model, batch, cfg, mesh["tp"], pad_id)
             old_logp = logp.detach() if m == 0 else per_token(batch, "old_logprobs", device)
-            is_weights, mismatch = engine_mismatch(old_logp, per_token(batch, "engine_logprobs", device), cfg.tis_cap)
+            lengths = torch.tensor([len(s.response_ids) for s in batch], device=device)
+            is_weights, mismatch = engine_mismatch(old_logp, per_token(batch, "engine_logprobs", device), cfg, lengths)
             ref_logp = per_token(batch, "ref_logprobs", device) if cfg.beta > 0 else None
             loss, metrics = policy_loss(logp, old_logp, per_token(batch, "advantage", device),
-                                        per_token(batch, "loss_weight", device), cfg, ref_logp, entropy, is_weights)
+                                        per_token(batch, "loss_weight", device), cfg, ref_logp, entropy, is_weights,
+                                        lengths)
             loss.backward()
             for key, value in {**metrics, **mismatch, "tokens": len(logp)}.items():
                 sums[key] += value
@@ -772,8 +779,9 @@ def step_metrics(samples, train_sums, errors, dropped, times, stop_requested, lr
              "skipped_steps": sums.pop("skipped_steps"), **times, "stop": float(stop_requested)}
     sums, maxes = reduce_over_ranks(sums, maxes, mesh)
     stopping = maxes.pop("stop") > 0  # a signal seen by any rank stops all of them after this step
-    metrics = {k: sums[k] / sums["samples"] for k in ("reward", "accuracy", "response_len", "truncated")}
-    per_token_keys = ("entropy", "kl", "clip_frac", "mismatch_abs", "mismatch_kl")
+    per_sample_keys = ("reward", "accuracy", "response_len", "truncated", "is_masked_responses")
+    metrics = {k: sums[k] / sums["samples"] for k in per_sample_keys}
+    per_token_keys = ("entropy", "kl", "clip_frac", "mismatch_abs", "mismatch_kl", "is_masked_tokens")
     metrics.update({k: sums[k] / max(sums["tokens"], 1) for k in per_token_keys}, **maxes)
     metrics.update(reward_errors=sums["reward_errors"], groups_dropped=sums["groups_dropped"], lr=lr,
                    tokens_per_s=sums["response_len"] / maxes["time_step"])
@@ -912,7 +920,8 @@ def main():
     mesh = init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
     tokenizer = char_tokenizer() if cfg.model == "tiny" else AutoTokenizer.from_pretrained(cfg.model)
     train_set, test_set = PromptDataset(cfg, "train"), PromptDataset(cfg, "test")
-    model_config = model_config_for(cfg, tokenizer)
+    tiny_config = Qwen2Config(vocab_size=len(tokenizer), **TINY_MODEL)
+    model_config = tiny_config if cfg.model == "tiny" else AutoConfig.from_pretrained(cfg.model)
     model = build_model(model_config, mesh, device, cfg.activation_checkpointing)
     ref_model = build_model(model_config, mesh, device, offload=cfg.ref_on_cpu) if cfg.beta > 0 else None
     load_weights([model] + ([ref_model.requires_grad_(False)] if ref_model else []), cfg, model_config)

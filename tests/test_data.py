@@ -212,7 +212,7 @@ def test_qwen_tokenizer_fixture_is_the_qwen_bpe(qwen_tokenizer):
 
 def test_encode_prompt_with_chat_template_renders_chatml_and_generation_prompt(qwen_tokenizer):
     tok = qwen_tokenizer
-    ids = train.encode_prompt(tok, MESSAGES)
+    ids = reward.encode_prompt(tok, MESSAGES)
 
     def enc(text):
         return tok(text, add_special_tokens=False).input_ids
@@ -226,7 +226,7 @@ def test_encode_prompt_with_chat_template_renders_chatml_and_generation_prompt(q
 def test_encode_prompt_without_chat_template_renders_plain_template(qwen_tokenizer):
     base = copy.copy(qwen_tokenizer)
     base.chat_template = None
-    ids = train.encode_prompt(base, MESSAGES)
+    ids = reward.encode_prompt(base, MESSAGES)
     assert IM_START not in ids and IM_END not in ids
     text = base.decode(ids)
     assert text == reward.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
@@ -237,16 +237,16 @@ def test_encode_prompt_without_chat_template_renders_plain_template(qwen_tokeniz
 
 def test_plain_template_flag_renders_the_r1_zero_prompt_despite_a_chat_template(qwen_tokenizer):
     cfg = train.parse_config(["--plain_template", "true"])
-    ids = train.encode_prompt(qwen_tokenizer, MESSAGES, cfg.plain_template)
+    ids = reward.encode_prompt(qwen_tokenizer, MESSAGES, cfg.plain_template)
     assert qwen_tokenizer.chat_template and IM_START not in ids
     assert qwen_tokenizer.decode(ids) == reward.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
-    assert IM_START in train.encode_prompt(qwen_tokenizer, MESSAGES, train.parse_config([]).plain_template)
+    assert IM_START in reward.encode_prompt(qwen_tokenizer, MESSAGES, train.parse_config([]).plain_template)
 
 
 def test_encode_prompt_encodes_a_string_prompt_as_is(qwen_tokenizer):
-    assert train.encode_prompt(qwen_tokenizer, "Say a:") == qwen_tokenizer("Say a:", add_special_tokens=False).input_ids
-    assert qwen_tokenizer.decode(train.encode_prompt(qwen_tokenizer, "Say a:")) == "Say a:"
-    assert train.encode_prompt(train.char_tokenizer(), "Say a:") == [train.char_tokenizer().get_vocab()[c]
+    assert reward.encode_prompt(qwen_tokenizer, "Say a:") == qwen_tokenizer("Say a:", add_special_tokens=False).input_ids
+    assert qwen_tokenizer.decode(reward.encode_prompt(qwen_tokenizer, "Say a:")) == "Say a:"
+    assert reward.encode_prompt(train.char_tokenizer(), "Say a:") == [train.char_tokenizer().get_vocab()[c]
                                                                      for c in "Say a:"]
 
 
@@ -257,7 +257,7 @@ def test_stop_token_ids_of_qwen_are_im_end_and_endoftext(qwen_tokenizer):
 def test_a_qwen_tokenizer_saved_to_a_folder_loads_as_main_loads_it(qwen_tokenizer, tmp_path):
     qwen_tokenizer.save_pretrained(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert train.encode_prompt(tok, MESSAGES) == train.encode_prompt(qwen_tokenizer, MESSAGES)
+    assert reward.encode_prompt(tok, MESSAGES) == reward.encode_prompt(qwen_tokenizer, MESSAGES)
     assert train.stop_token_ids(tok) == [ENDOFTEXT, IM_END]
 
 
@@ -296,7 +296,7 @@ def test_char_tokenizer_stop_ids_contain_eos():
 def test_the_char_tokenizer_has_no_chat_template_so_chat_prompts_render_the_plain_template():
     tok = train.char_tokenizer()
     assert not tok.chat_template
-    ids = train.encode_prompt(tok, MESSAGES)  # so chat prompts render the plain template
+    ids = reward.encode_prompt(tok, MESSAGES)  # so chat prompts render the plain template
     assert tok.decode(ids) == reward.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
 
 

@@ -113,19 +113,21 @@ def test_k1_k2_k3_estimate_the_kl_between_two_distributions():
     assert exact < (p * (p / q).log() ** 2).sum().item() / 2 < 1.3 * exact
 
 
-def aggregated_loss(rank, world, loss_agg, lengths, max_new_tokens):
+def aggregated_loss(rank, world, loss_agg, lengths, max_new_tokens, ratio_level="token"):
     """The trainer's loss for one batch of sequences (all on one rank): weights, then the weighted token sum."""
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
     g = torch.Generator().manual_seed(3)
     samples = [train.Sample([], [0] * n, None) for n in lengths]
-    cfg = train.Config(loss_agg=loss_agg, max_new_tokens=max_new_tokens, clip_low=0.2, clip_high=0.28)
+    cfg = train.Config(loss_agg=loss_agg, max_new_tokens=max_new_tokens, clip_low=0.2, clip_high=0.28,
+                       ratio_level=ratio_level)
     train.set_loss_weights(samples, cfg, mesh["dp"].get_group())
     n = sum(lengths)
     old = -torch.rand(n, generator=g, dtype=torch.float64)
     logp = (old + torch.randn(n, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
     adv = torch.repeat_interleave(torch.randn(len(lengths), generator=g, dtype=torch.float64), torch.tensor(lengths))
     weights = train.per_token(samples, "loss_weight", "cpu").double()
-    loss, _ = train.policy_loss(logp, old, adv, weights, cfg, None, torch.zeros(n, dtype=torch.float64))
+    loss, _ = train.policy_loss(logp, old, adv, weights, cfg, None, torch.zeros(n, dtype=torch.float64),
+                                lengths=torch.tensor(lengths))
     loss.backward()
     return loss.item(), logp.grad.tolist(), old.tolist(), logp.tolist(), adv.tolist()
 
@@ -293,7 +295,7 @@ def engine_and_trainer_logprobs(n=50, seed=6):
 @pytest.mark.parametrize("cap", [0.0, 1.5])
 def test_engine_mismatch_sums_and_truncated_importance_weights_match_the_formulas(cap):
     trainer, engine = engine_and_trainer_logprobs()
-    weights, sums = train.engine_mismatch(trainer, engine, cap)
+    weights, sums = train.engine_mismatch(trainer, engine, train.Config(tis_cap=cap), torch.tensor([50]))
     ratios = [math.exp(t) / math.exp(e) for t, e in zip(trainer.tolist(), engine.tolist())]  # p_trainer / p_engine
     assert sums["mismatch_abs"].item() == pytest.approx(sum(abs(math.log(r)) for r in ratios), rel=1e-12)
     assert sums["mismatch_kl"].item() == pytest.approx(sum(r - 1 - math.log(r) for r in ratios), rel=1e-10)  # k3
@@ -306,8 +308,8 @@ def test_engine_mismatch_sums_and_truncated_importance_weights_match_the_formula
 
 def test_identical_logprobs_give_no_mismatch_and_unit_weights():
     trainer, _ = engine_and_trainer_logprobs()
-    weights, sums = train.engine_mismatch(trainer, trainer.clone(), 2.0)
-    assert {k: v.item() for k, v in sums.items()} == {"mismatch_abs": 0.0, "mismatch_kl": 0.0}
+    weights, sums = train.engine_mismatch(trainer, trainer.clone(), train.Config(tis_cap=2.0), torch.tensor([50]))
+    assert {k: float(v) for k, v in sums.items()} == dict.fromkeys(sums, 0.0)
     assert weights.tolist() == [1.0] * len(trainer)
 
 
@@ -332,3 +334,143 @@ def test_importance_weights_scale_only_the_policy_gradient_term():
         kl = kl_estimate(logp[i].item() - ref[i].item(), "k3")
         expected += weights[i].item() * (is_w[i].item() * pg + beta * kl - coef * ent[i].item())
     assert loss.item() == pytest.approx(expected, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- GSPO, CISPO, masked importance sampling
+def ragged_tokens(lengths=(3, 7, 1, 5), seed=11):
+    """Per-token float64 tensors over responses of ragged lengths; one advantage per response, repeated per token."""
+    logp, old, adv, ref, ent, weights = random_tokens(sum(lengths), seed)
+    g = torch.Generator().manual_seed(seed)
+    per_response = torch.randn(len(lengths), generator=g, dtype=torch.float64)
+    return logp, old, per_response.repeat_interleave(torch.tensor(lengths)), weights, list(lengths)
+
+
+def spans(lengths):
+    start = 0
+    for n in lengths:
+        yield range(start, start + n)
+        start += n
+
+
+def test_gspo_ratio_is_the_geometric_mean_of_token_ratios_clipped_per_response_with_the_papers_gradient():
+    """GSPO (Zheng et al. 2025), GSPO-token form: s_i,t = sg(s_i) p_t / sg(p_t) with s_i = (prod_t r_t)^(1/|y_i|),
+    so every token's loss is -min(s_i A_i, clip(s_i) A_i) and its gradient -A_i s_i where the clip does not bind."""
+    logp, old, adv, weights, lengths = ragged_tokens()
+    lo, hi = 0.03, 0.04  # small clip ranges, as the paper's, so that some responses are clipped and some not
+    cfg = train.Config(ratio_level="sequence", clip_low=lo, clip_high=hi)
+    loss, metrics = train.policy_loss(logp, old, adv, weights, cfg, lengths=torch.tensor(lengths))
+    loss.backward()
+    expected, clipped_tokens = 0.0, 0
+    for span in spans(lengths):
+        token_ratios = [math.exp(logp[t].item() - old[t].item()) for t in span]
+        s = math.prod(token_ratios) ** (1 / len(span))  # the geometric mean
+        a = adv[span[0]].item()
+        unclipped_active = s * a <= min(max(s, 1 - lo), 1 + hi) * a
+        clipped_tokens += 0 if s * a <= min(max(s, 1 - lo), 1 + hi) * a + 1e-15 else len(span)
+        for t in span:
+            expected += weights[t].item() * -min(s * a, min(max(s, 1 - lo), 1 + hi) * a)
+            want = weights[t].item() * (-a * s if unclipped_active else 0.0)
+            assert logp.grad[t].item() == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    assert metrics["clip_frac"].item() == clipped_tokens and 0 < clipped_tokens < sum(lengths)
+
+
+def test_gspo_loss_aggregation_is_the_mean_over_each_response_then_over_responses():
+    """GSPO's objective is 1/G sum_i 1/|y_i| sum_t: --loss_agg sequence, as the README's recipe sets."""
+    lengths = [3, 7, 1, 12, 5]
+    loss, grad, old, logp, adv = run_ranks(aggregated_loss, 1, "sequence", lengths, 16, "sequence")[0]
+    expected = 0.0
+    for span in spans(lengths):
+        s = math.exp(sum(logp[t] - old[t] for t in span) / len(span))
+        a = adv[span[0]]
+        response_mean = sum(-min(s * a, min(max(s, 0.8), 1.28) * a) for _ in span) / len(span)  # 1/|y_i| sum_t
+        expected += response_mean / len(lengths)
+    assert loss == pytest.approx(expected, rel=1e-6)
+
+
+def test_cispo_weights_every_tokens_log_prob_by_its_clipped_detached_ratio():
+    """CISPO (MiniMax-M1, 2025): per token -sg(min(r, 1 + eps_high)) A log p; no token loses its gradient."""
+    logp, old, adv, weights, lengths = ragged_tokens(seed=12)
+    cfg = train.Config(objective="cispo", clip_high=0.1)
+    loss, metrics = train.policy_loss(logp, old, adv, weights, cfg, lengths=torch.tensor(lengths))
+    loss.backward()
+    expected = 0.0
+    for t in range(len(logp)):
+        r = math.exp(logp[t].item() - old[t].item())
+        w = min(r, 1.1)
+        expected += weights[t].item() * -w * adv[t].item() * logp[t].item()
+        assert logp.grad[t].item() == pytest.approx(weights[t].item() * -w * adv[t].item(), rel=1e-9)
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    assert metrics["clip_frac"].item() == sum(math.exp(x - o) > 1.1 for x, o in zip(logp.tolist(), old.tolist())) > 0
+
+
+@pytest.mark.parametrize("level, cap", [("token", 1.5), ("sequence", 1.1)])  # a response's mean strays less
+def test_masked_importance_sampling_drops_tokens_outside_the_bound_and_counts_them(level, cap):
+    """IcePop-style masking: r = p_trainer / p_engine per token, or its response's geometric mean (sequence);
+    tokens (or whole responses) with r outside [1 / cap, cap] get weight 0 and so no policy gradient."""
+    lengths = [4, 6, 2, 5, 3]
+    trainer, engine = engine_and_trainer_logprobs(sum(lengths), seed=9)
+    cfg = train.Config(tis_cap=cap, is_mode="mask", is_level=level)
+    weights, sums = train.engine_mismatch(trainer, engine, cfg, torch.tensor(lengths))
+    ratios = [math.exp(t - e) for t, e in zip(trainer.tolist(), engine.tolist())]
+    if level == "sequence":
+        for span in spans(lengths):
+            mean = math.prod(ratios[t] for t in span) ** (1 / len(span))
+            for t in span:
+                ratios[t] = mean
+    keep = [1.0 / cap <= r <= cap for r in ratios]
+    assert weights.tolist() == [float(k) for k in keep]
+    assert 0 < sum(keep) < len(keep)  # some kept, some masked
+    assert sums["is_masked_tokens"].item() == len(keep) - sum(keep)
+    assert sums["is_masked_responses"].item() == sum(not all(keep[t] for t in span) for span in spans(lengths))
+    # Masked tokens get no gradient from the policy-gradient term; kept ones do (at ratio 1 no clip binds).
+    logp, _, adv, loss_weights, _ = ragged_tokens(lengths, seed=10)
+    loss, _ = train.policy_loss(logp, logp.detach(), adv, loss_weights, train.Config(), is_weights=weights)
+    loss.backward()
+    assert all((g == 0) != k for g, k in zip(logp.grad.tolist(), keep))
+
+
+def test_sequence_level_truncation_caps_each_responses_geometric_mean_ratio():
+    lengths = [4, 6, 2, 5, 3]
+    trainer, engine = engine_and_trainer_logprobs(sum(lengths), seed=9)
+    cfg = train.Config(tis_cap=1.2, is_level="sequence")
+    weights, sums = train.engine_mismatch(trainer, engine, cfg, torch.tensor(lengths))
+    ratios = [math.exp(t - e) for t, e in zip(trainer.tolist(), engine.tolist())]
+    want = [min(math.prod(ratios[t] for t in span) ** (1 / len(span)), 1.2) for span in spans(lengths) for _ in span]
+    assert weights.tolist() == pytest.approx(want, rel=1e-12)
+    assert sums["is_masked_tokens"] == 0 and sums["is_masked_responses"] == 0
+
+
+def step_with_micro_batches(rank, world, folder, flags, micro_batch_size):
+    """Two mini-batches (so the second's ratio moves off 1) of one SGD step each, with engine log-probs near the
+    policy's; the weights before and after, for micro-batches of micro_batch_size sequences."""
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    model = sharded_model(folder, mesh)
+    weights = lambda: {k: v.numpy().copy() for k, v in  # noqa: E731
+                       get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
+    before = weights()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    samples = make_samples(8, seed=13)
+    cfg = train.Config(micro_batch_size=micro_batch_size, num_minibatches=2, max_grad_norm=1e9, **flags)
+    train.store_logprobs(model, samples, "old_logprobs", cfg, mesh, 0)
+    g = torch.Generator().manual_seed(14)
+    for s in samples:
+        s.engine_logprobs = s.old_logprobs + 0.3 * torch.randn(len(s.response_ids), generator=g)
+    sums = train.train_on_rollouts(model, optimizer, samples, cfg, mesh, 0)
+    return before, weights(), {k: float(v) for k, v in sums.items()}
+
+
+@pytest.mark.parametrize("flags", [dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, loss_agg="sequence"),
+                                   dict(objective="cispo", clip_high=0.05),
+                                   dict(tis_cap=1.1, is_mode="mask", is_level="sequence"),
+                                   dict(tis_cap=1.5, is_mode="mask", objective="cispo", ratio_level="sequence")])
+def test_micro_batches_sum_to_the_whole_batch_step_for_gspo_cispo_and_masking(flags, tmp_path):
+    folder = save_reference(tmp_path, "qwen2", True)
+    before, whole, whole_sums = run_ranks(step_with_micro_batches, 1, folder, flags, 8)[0]
+    _, split, split_sums = run_ranks(step_with_micro_batches, 1, folder, flags, 3)[0]
+    assert max(abs(whole[k] - split[k]).max() for k in whole) < 1e-6
+    assert max(abs(whole[k] - before[k]).max() for k in whole) > 1e-3  # the step moved the weights
+    for key in ("clip_frac", "is_masked_tokens", "is_masked_responses"):
+        assert whole_sums[key] == split_sums[key]
+    if "is_mode" in flags:
+        assert 0 < whole_sums["is_masked_responses"] < 8

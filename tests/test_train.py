@@ -87,3 +87,20 @@ def test_dapo_and_dr_grpo_settings_run_end_to_end(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(dr_grpo)
     assert rows[-1]["reward"] > rows[0]["reward"]
+
+
+@pytest.mark.parametrize("flags", [
+    ("--ratio_level", "sequence", "--loss_agg", "sequence", "--clip_low", "3e-4", "--clip_high", "4e-4"),  # GSPO
+    ("--objective", "cispo"),
+    ("--tis_cap", "2", "--is_mode", "mask", "--is_level", "sequence"),
+], ids=["gspo", "cispo", "masked_is"])
+def test_gspo_cispo_and_masked_importance_sampling_learn_the_toy_reward(flags, tmp_path):
+    """Two mini-batches a step, so the ratio leaves 1 in the second and GSPO's tiny clip range binds."""
+    run = torchrun(2, "--preset", "cpu", "--steps", "15", "--eval_every", "0", "--num_minibatches", "2", *flags,
+                   "--out_dir", str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert rows[0]["reward"] < 0.3 and rows[-1]["reward"] > 0.8
+    assert all(r["is_masked_tokens"] == r["is_masked_responses"] == 0 for r in rows)  # the CPU engine matches
+    if "cispo" not in flags:
+        assert max(r["clip_frac"] for r in rows) > 0
