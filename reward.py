@@ -170,6 +170,22 @@ def gsm8k_reward(completion: str, answer: str) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# addition: "What is a + b?", generated here and graded as gsm8k; small enough for a real model on a CPU
+
+ADDITION_MAX = 30  # operands are drawn from 1..ADDITION_MAX
+
+
+def addition_problems(n: int, seed: int) -> list[dict]:
+    """n distinct additions in gsm8k's row format: {"question": "What is a + b?", "answer": "#### a+b"}."""
+    pairs = [(a, b) for a in range(1, ADDITION_MAX + 1) for b in range(1, ADDITION_MAX + 1)]
+    if n > len(pairs):
+        raise SystemExit(f"--train_size + --test_size = {n}, but only {len(pairs)} distinct additions exist: "
+                         "lower them, or raise ADDITION_MAX in reward.py")
+    chosen = random.Random(seed).sample(pairs, n)
+    return [{"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"} for a, b in chosen]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # math: competition problems (MATH) with LaTeX answers
 
 
@@ -212,7 +228,7 @@ def reward_fn(completion: str, sample: dict) -> float:
     task = sample["task"]
     if task == "countdown":
         return countdown_reward(completion, sample["nums"], sample["target"])
-    if task == "gsm8k":
+    if task in ("gsm8k", "addition"):
         return gsm8k_reward(completion, sample["answer"])
     if task == "math":
         return math_reward(completion, sample["answer"])
@@ -252,6 +268,9 @@ def load_rows(task: str, split: str, data_path: str, train_size: int, test_size:
         return problems[:test_size] if split == "test" else problems[test_size:]
     if task == "toy":
         return [{"target": "a"}] * (test_size if split == "test" else train_size)
+    if task == "addition":
+        problems = addition_problems(test_size + train_size, seed)
+        return problems[:test_size] if split == "test" else problems[test_size:]
     import datasets  # only the downloaded tasks need it
     path = data_path or DATASETS[task]  # a local folder: datasets reads the splits from the file names
     return list(datasets.load_dataset(path, "main" if path == DATASETS["gsm8k"] else None, split=split))
@@ -277,11 +296,12 @@ def _reward_or_error(completion: str, sample: dict, timeout: float) -> tuple[flo
 
 class RewardWorkers:
     """reward_fn in `workers` forked processes, each in its own session: signals sent to the trainer's process
-    group are the trainer's to act on. Fork them before an engine or signal handlers exist."""
+    group are the trainer's to act on. Fork them before an engine or signal handlers exist. With show_first_error,
+    the first failed call's traceback is printed, once."""
 
-    def __init__(self, workers: int, timeout: float):
+    def __init__(self, workers: int, timeout: float, show_first_error: bool = False):
         self.pool = multiprocessing.get_context("fork").Pool(workers, initializer=os.setsid)
-        self.workers, self.timeout = workers, timeout
+        self.workers, self.timeout, self.show_first_error = workers, timeout, show_first_error
 
     def score(self, completions: list[str], samples: list[dict]) -> tuple[list[float], list[str]]:
         """reward_fn of each completion with its sample; the tracebacks of failed calls (scored 0). A call that
@@ -296,7 +316,11 @@ class RewardWorkers:
                 results.append(job.get(timeout=max(0.0, deadline - time.monotonic())))
             except Exception as error:  # the deadline passed, or an alarm escaped the worker's own handling
                 results.append((0.0, f"reward_fn did not return by the batch's deadline ({error!r})"))
-        return [value for value, _ in results], [error for _, error in results if error]
+        errors = [error for _, error in results if error]
+        if errors and self.show_first_error:
+            print(f"reward_fn failed; it scores 0, counted as reward_errors (shown once):\n{errors[0]}", flush=True)
+            self.show_first_error = False
+        return [value for value, _ in results], errors
 
     def close(self):
         self.pool.terminate()

@@ -1,4 +1,4 @@
-"""GRPO for Qwen models (Qwen2, Qwen2.5, Qwen3) in one file.
+"""GRPO for Qwen models (Qwen2, Qwen2.5, Qwen3) and Llama-architecture ones in one file.
 
 One step: sample G completions per prompt from the rollout engine, score them with reward.reward_fn, normalise
 rewards within each group into advantages, take clipped policy-gradient steps on the policy (FSDP2 over "dp",
@@ -55,10 +55,10 @@ import reward
 class Config:
     # model, task and rollout
     model: str = "Qwen/Qwen2.5-3B-Instruct"  # hub id or local folder; "tiny": random tiny Qwen2 + character tokenizer
-    task: Literal["countdown", "gsm8k", "math", "toy"] = "countdown"  # README: datasets and what to expect
+    task: Literal["countdown", "gsm8k", "math", "toy", "addition"] = "countdown"  # README: tasks and what to expect
     data_path: str = ""  # gsm8k / math: hub id or a local folder of train.* and test.* (jsonl / parquet); "": default
-    train_size: int = 20000  # countdown / toy: problems generated for training
-    test_size: int = 500  # countdown / toy: held-out problems, disjoint from training
+    train_size: int = 20000  # countdown / toy / addition: problems generated for training
+    test_size: int = 500  # countdown / toy / addition: held-out problems, disjoint from training
     plain_template: bool = False  # R1-Zero's plain prompt even when the tokenizer has a chat template (base models)
     preset: str = ""  # "cpu": tiny model, toy task, small batches; flags given explicitly still win
     engine: Literal["sglang", "hf"] = "sglang" if torch.cuda.is_available() else "hf"  # hf: HF generate (CPU)
@@ -194,7 +194,7 @@ class PromptDataset(torch.utils.data.Dataset):
             return {"prompt": f"Say {row['target']}:", "task": "toy", "target": row["target"]}
         if self.task == "countdown":
             content, fields = reward.COUNTDOWN_PROMPT.format(**row), row  # the row is {"nums", "target"}
-        elif self.task == "gsm8k":
+        elif self.task in ("gsm8k", "addition"):  # addition's rows are generated in gsm8k's format
             content = reward.BOXED_PROMPT.format(question=row["question"])
             fields = {"answer": row["answer"].split("####")[-1].strip()}
         else:  # math: the answer is the last \boxed{} of the reference solution, in LaTeX
@@ -725,12 +725,12 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id):
     sampling policy: the first mini-batch's own logprobs (detached), the later ones' old_logprobs."""
     sums = defaultdict(float)  # every rank runs as many micro-batches, so it adds the same keys in the same order
     per_minibatch, device = len(samples) // cfg.num_minibatches, model.device
-    for m in range(cfg.num_minibatches):
-        minibatch = samples[m * per_minibatch:(m + 1) * per_minibatch]
+    for start in range(0, len(samples), per_minibatch):
+        minibatch = samples[start:start + per_minibatch]
         set_loss_weights(minibatch, cfg, mesh["dp"].get_group())
         for batch in micro_batches(minibatch, cfg):
             logp, entropy = response_logprobs(model, batch, cfg, mesh["tp"], pad_id)
-            old_logp = logp.detach() if m == 0 else per_token(batch, "old_logprobs", device)
+            old_logp = logp.detach() if start == 0 else per_token(batch, "old_logprobs", device)
             lengths = torch.tensor([len(s.response_ids) for s in batch], device=device)
             is_weights, mismatch = engine_mismatch(old_logp, per_token(batch, "engine_logprobs", device), cfg, lengths)
             ref_logp = per_token(batch, "ref_logprobs", device) if cfg.beta > 0 else None
@@ -805,19 +805,18 @@ def open_run_dir(cfg, resumed_from, start_step, wandb_id):
     return wandb.init(project=cfg.wandb_project, config=asdict(cfg), id=wandb_id, resume="allow", dir=cfg.out_dir)
 
 
-def log_step(step, m, cfg, wandb_run):
-    """One line on the console, one JSON line in metrics.jsonl, and wandb, from the step's metrics `m`."""
-    line = (f"step {step + 1}/{cfg.steps} | reward {m['reward']:.3f} | acc {m['accuracy']:.3f} | "
-            f"len {m['response_len']:.1f} | ent {m['entropy']:.3f} | kl {m['kl']:.4f} | clip {m['clip_frac']:.3f} | "
-            f"gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | mismatch {m['mismatch_abs']:.2e} | "
-            f"{m['time_step']:.2f}s (rollout {m['time_rollout']:.2f} train {m['time_train']:.2f} "
-            f"push {m['time_push']:.2f}) | {m['tokens_per_s']:.0f} tok/s")
-    evals = " | ".join(f"{k} {v:.3f}" for k, v in m.items() if k.startswith("eval_") and k != "eval_prompts")
-    print(line + (f"\n  eval ({m['eval_prompts']:.0f} prompts): {evals}" if evals else ""), flush=True)
+def log_step(step, metrics, cfg, wandb_run):
+    """One line on the console, one JSON line in metrics.jsonl, and wandb, from the step's `metrics`."""
+    line = ("step {step}/{steps} | reward {reward:.3f} | acc {accuracy:.3f} | len {response_len:.1f} | "
+            "ent {entropy:.3f} | kl {kl:.4f} | clip {clip_frac:.3f} | gnorm {grad_norm:.3f} | lr {lr:.2e} | "
+            "mismatch {mismatch_abs:.2e} | {time_step:.2f}s (rollout {time_rollout:.2f} train {time_train:.2f} "
+            "push {time_push:.2f}) | {tokens_per_s:.0f} tok/s").format(step=step + 1, steps=cfg.steps, **metrics)
+    evals = " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_") and k != "eval_prompts")
+    print(line + (f"\n  eval ({metrics['eval_prompts']:.0f} prompts): {evals}" if evals else ""), flush=True)
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step + 1, **m}) + "\n")
+        f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
     if wandb_run is not None:
-        wandb_run.log(m, step=step + 1)
+        wandb_run.log(metrics, step=step + 1)
 
 
 # ----------------------------------------------------------------------------- eval
@@ -874,9 +873,8 @@ def resume(cfg, model, optimizer, scheduler):
     """Restore what save_checkpoint wrote in the --resume folder ("auto": the newest complete one under out_dir, if
     any); returns (folder, step, wandb id), with folder "" for a fresh start."""
     found = complete_checkpoints(cfg.out_dir)
-    path = cfg.resume
-    if cfg.resume == "auto":
-        path = found[-1] if found else ""
+    newest = found[-1] if found else ""
+    path = newest if cfg.resume == "auto" else cfg.resume
     if path and not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise SystemExit(f"--resume {path}: not a complete checkpoint folder (no trainer_state.json)")
     if found and not path:
@@ -923,34 +921,31 @@ def main():
     tiny_config = Qwen2Config(vocab_size=len(tokenizer), **TINY_MODEL)
     model_config = tiny_config if cfg.model == "tiny" else AutoConfig.from_pretrained(cfg.model)
     model = build_model(model_config, mesh, device, cfg.activation_checkpointing)
-    ref_model = build_model(model_config, mesh, device, offload=cfg.ref_on_cpu) if cfg.beta > 0 else None
-    load_weights([model] + ([ref_model.requires_grad_(False)] if ref_model else []), cfg, model_config)
+    ref_model = None
+    if cfg.beta > 0:  # frozen: its log-probs are only read
+        ref_model = build_model(model_config, mesh, device, offload=cfg.ref_on_cpu).requires_grad_(False)
+    load_weights([model, ref_model] if ref_model else [model], cfg, model_config)
     # Before any forward: FSDP2 then leaves root parameters unsharded, and an optimizer would hold stale tensors.
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, cfg=cfg))
     resumed_from, start_step, wandb_id = resume(cfg, model, optimizer, scheduler)
     wandb_run = open_run_dir(cfg, resumed_from, start_step, wandb_id) if rank == 0 else None
-    # Forked before the engine and the signal handlers exist.
-    reward_workers = reward.RewardWorkers(cfg.reward_workers, cfg.reward_timeout)
+    # Forked before the engine and the signal handlers exist. Rank 0 shows the first failed call's traceback.
+    reward_workers = reward.RewardWorkers(cfg.reward_workers, cfg.reward_timeout, show_first_error=rank == 0)
     tp_group, pad_id = mesh["tp"].get_group(), tokenizer.pad_token_id
     free_gpu_cache(tp_group)  # SGLang sizes itself from the free memory it sees at start
     engine = create_engine(cfg, model_config, mesh, device, pad_id)
     stop = stop_on_signal()
-    reward_failed = False
     try:
         push_weights(model, engine, cfg.bucket_mb, tp_group)
         for step in range(start_step, cfg.steps):
-            times, start = {}, time.perf_counter()
+            start = time.perf_counter()
             # --- generate and reward: G scored samples per prompt (dynamic sampling may take more rounds)
             samples, errors, dropped = collect_rollouts(engine, reward_workers, train_set, tokenizer, cfg, step, mesh)
             if isinstance(engine, SGLangEngine) and not cfg.keep_engine_memory:
                 engine.release_memory()  # the training phase gets the engine's weights and KV cache memory
-            if errors and not reward_failed and rank == 0:
-                print(f"reward_fn failed; it scores 0, counted as reward_errors (shown once):\n{errors[0]}")
-            reward_failed = reward_failed or bool(errors)
-            times["time_rollout"] = time.perf_counter() - start
+            rollout_done = time.perf_counter()
             # --- log-probs before the update: the policy's (mini-batches after the first), the reference's
-            timer = time.perf_counter()
             first_stored = 0 if cfg.kl_in_reward else len(samples) // cfg.num_minibatches
             store_logprobs(model, samples[first_stored:], "old_logprobs", cfg, mesh, pad_id)
             if ref_model is not None:
@@ -961,12 +956,12 @@ def main():
             # --- loss and update
             train_sums = train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id)
             scheduler.step()
-            times["time_train"] = time.perf_counter() - timer
+            train_done = time.perf_counter()
             # --- push the new weights into the engine
-            timer = time.perf_counter()
             push_weights(model, engine, cfg.bucket_mb, tp_group)
-            times["time_push"] = time.perf_counter() - timer
-            times["time_step"] = time.perf_counter() - start
+            end = time.perf_counter()
+            times = dict(time_rollout=rollout_done - start, time_train=train_done - rollout_done,
+                         time_push=end - train_done, time_step=end - start)
             # --- log, evaluate
             metrics, stopping = step_metrics(samples, train_sums, errors, dropped, times, stop.is_set(),
                                              scheduler.get_last_lr()[0], mesh)

@@ -113,6 +113,20 @@ def test_countdown_test_split_does_not_depend_on_train_size():
     assert small == large
 
 
+def test_addition_splits_are_disjoint_and_each_item_is_graded_by_its_sum():
+    cfg = train.Config(task="addition", train_size=700, test_size=200)
+    train_set, test_set = train.PromptDataset(cfg, "train"), train.PromptDataset(cfg, "test")
+    questions = [[row["question"] for row in split.rows] for split in (train_set, test_set)]
+    assert len(set(questions[0])) == 700 and len(set(questions[1])) == 200 and not set(questions[0]) & set(questions[1])
+    for item in list(test_set)[:20]:
+        a, b = map(int, item["prompt"][0]["content"].split("?")[0].removeprefix("What is ").split(" + "))
+        assert 1 <= a <= reward.ADDITION_MAX and 1 <= b <= reward.ADDITION_MAX and item["answer"] == str(a + b)
+        assert reward.reward_fn(f"{a} + {b} = \\boxed{{{a + b}}}", item) == 1.0
+        assert reward.reward_fn(f"{a} + {b} = \\boxed{{{a + b + 1}}}", item) == 0.0
+    with pytest.raises(SystemExit, match="--train_size"):  # 30 x 30 = 900 distinct problems exist
+        reward.load_rows("addition", "train", "", train_size=800, test_size=200, seed=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # gsm8k from a local file
 
@@ -244,7 +258,8 @@ def test_plain_template_flag_renders_the_r1_zero_prompt_despite_a_chat_template(
 
 
 def test_encode_prompt_encodes_a_string_prompt_as_is(qwen_tokenizer):
-    assert reward.encode_prompt(qwen_tokenizer, "Say a:") == qwen_tokenizer("Say a:", add_special_tokens=False).input_ids
+    want = qwen_tokenizer("Say a:", add_special_tokens=False).input_ids
+    assert reward.encode_prompt(qwen_tokenizer, "Say a:") == want
     assert qwen_tokenizer.decode(reward.encode_prompt(qwen_tokenizer, "Say a:")) == "Say a:"
     assert reward.encode_prompt(train.char_tokenizer(), "Say a:") == [train.char_tokenizer().get_vocab()[c]
                                                                      for c in "Say a:"]

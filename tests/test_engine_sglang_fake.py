@@ -196,7 +196,8 @@ def test_generate_keeps_ids_exactly_with_the_stop_token(sglang):
     raw = fake.generate(input_ids=prompts, sampling_params=params, return_logprob=True)  # deterministic
     for prompt, s, o in zip(prompts, samples, raw):
         assert s.prompt_ids == prompt and s.response_ids == o["output_ids"]  # the stop token stays in
-        assert torch.equal(s.engine_logprobs, torch.tensor([lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]))
+        engine_logprobs = [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
+        assert torch.equal(s.engine_logprobs, torch.tensor(engine_logprobs))
     # Prompt 2 sampled its stop token exactly at the limit: 0.5.17 reports "length", yet the ids end in the stop.
     assert raw[2]["meta_info"]["finish_reason"]["type"] == "length"
     assert len(samples[2].response_ids) == limit and samples[2].response_ids[-1] in stop

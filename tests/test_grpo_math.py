@@ -85,6 +85,15 @@ def test_policy_loss_value_and_gradient_match_the_formula(estimator):
     assert metrics["entropy"].item() == pytest.approx(ent.sum().item())
 
 
+def test_policy_loss_without_entropies_has_no_bonus_and_logs_zero_entropy():
+    logp, old, adv, ref, _, weights = random_tokens(seed=2)
+    cfg = train.Config(beta=0.05, entropy_coef=0.01)
+    loss, metrics = train.policy_loss(logp, old, adv, weights, cfg, ref, entropy=None)
+    expected = reference_loss(logp.tolist(), old.tolist(), adv.tolist(), weights.tolist(), 0.2, 0.28, 0.05,
+                              ref.tolist(), 0.0, [0.0] * len(logp))
+    assert loss.item() == pytest.approx(expected, rel=1e-12) and metrics["entropy"].item() == 0
+
+
 def test_kl_in_the_reward_leaves_it_out_of_the_loss_but_still_measures_it():
     logp, old, adv, ref, ent, weights = random_tokens(seed=1)
     cfg = train.Config(beta=0.05, kl_in_reward=True)

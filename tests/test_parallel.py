@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import train
 from workers import run_ranks
@@ -18,6 +18,8 @@ def tiny_config(family, tied):
                   num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied)
     if family == "qwen3":
         return Qwen3Config(head_dim=8, **common)  # Qwen3Config defaults head_dim to 128
+    if family == "llama":  # SmolLM2 and Llama 3.x: no attention biases, like Qwen3 but without q/k norms
+        return LlamaConfig(**common)
     return Qwen2Config(**common)
 
 
@@ -116,7 +118,8 @@ MESHES = [(2, 1), (1, 2), (2, 2)]
 
 
 @pytest.mark.parametrize("dp,tp", MESHES)
-@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("qwen3", False)])
+@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("qwen3", False),
+                                         ("llama", True), ("llama", False)])
 def test_sharded_step_matches_unsharded(dp, tp, family, tied, tmp_path):
     # max_norm 0.05 is below the gradient norm, so the 2-D clipping path scales the gradients.
     folder = save_reference(tmp_path, family, tied)
@@ -234,7 +237,7 @@ def loaded_state(rank, world, folder, dp, tp):
 
 
 @pytest.mark.parametrize("dp,tp", [(1, 1)] + MESHES)
-@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen3", False)])
+@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen3", False), ("llama", True)])
 def test_streamed_meta_device_loading_gives_the_weights_of_a_plain_load(dp, tp, family, tied, tmp_path):
     folder = save_reference(tmp_path, family, tied)
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 2  # the stream really has several files
