@@ -62,7 +62,7 @@ def run_trl(folder, out_dir, steps, eval_every):
     train_set, rows = train.PromptDataset(cfg, "train"), []
     for step in range(steps):  # the same prompts, step by step, as train.py draws them
         rows += train.step_rows(train_set, step, cfg, 0, 1)
-    data = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"], "task": r["task"]} for r in rows])
+    data = datasets.Dataset.from_list([{key: r[key] for key in ("prompt", "answer", "task")} for r in rows])
 
     def addition_reward(completions, answer, task, **_):
         items = [{"answer": a, "task": t} for a, t in zip(answer, task)]
@@ -70,18 +70,17 @@ def run_trl(folder, out_dir, steps, eval_every):
 
     log = []
 
-    class Curve(TrainerCallback):
+    class Curve(TrainerCallback):  # seconds per step (evaluation excluded), peak memory, held-out accuracy
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
         def on_step_end(self, args, state, control, **kwargs):
-            model = kwargs["model"]
-            history = [h for h in state.log_history if "reward" in h]
-            row = {"step": state.global_step, "reward": history[-1]["reward"] if history else None,
-                   "time": time.perf_counter(),
+            row = {"step": state.global_step, "time_step": time.perf_counter() - self.start,
                    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
             if state.global_step % eval_every == 0 or state.global_step == steps:
-                model.save_pretrained(os.path.join(out_dir, "eval_model"))
+                kwargs["model"].save_pretrained(os.path.join(out_dir, "eval_model"))
                 AutoTokenizer.from_pretrained(folder).save_pretrained(os.path.join(out_dir, "eval_model"))
                 row["eval_greedy_acc"] = held_out_greedy_accuracy(os.path.join(out_dir, "eval_model"), cfg)
-                row["time_after_eval"] = time.perf_counter()
             log.append(row)
             print(json.dumps(row), flush=True)
 
@@ -91,13 +90,11 @@ def run_trl(folder, out_dir, steps, eval_every):
         lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, beta=0.0, loss_type="dapo",
         epsilon=cfg.clip_low, epsilon_high=cfg.clip_high, temperature=cfg.temperature, top_k=0, num_iterations=1,
         shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to=[], seed=cfg.seed, bf16=False)
-    trainer = GRPOTrainer(model=folder, reward_funcs=addition_reward, args=args, train_dataset=data)
-    previous = time.perf_counter()
+    trainer = GRPOTrainer(model=folder, reward_funcs=addition_reward, args=args, train_dataset=data,
+                          callbacks=[Curve()])
     trainer.train()
-    for row in log:  # evaluation time excluded, as train.py's time_step excludes it
-        row["time_step"] = row.pop("time") - previous
-        previous = row.pop("time_after_eval", previous + row["time_step"])
-    return log
+    rewards = {h["step"]: h["reward"] for h in trainer.state.log_history if "reward" in h}  # logged after a step
+    return [dict(row, reward=rewards[row["step"]]) for row in log]
 
 
 def main():

@@ -30,6 +30,7 @@ def test_the_folder_holds_the_gguf_models_weights_and_loads_as_llama(smollm2):
     gguf = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF, dtype=torch.float32)
     folder = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
     assert type(folder).__name__ == "LlamaForCausalLM" and folder.config.architectures == ["LlamaForCausalLM"]
+    assert getattr(folder, "hf_quantizer", None) is None and "quantization_config" not in folder.config.to_dict()
     assert (folder.config.num_hidden_layers, folder.config.hidden_size, folder.config.num_attention_heads,
             folder.config.num_key_value_heads, folder.config.vocab_size) == (30, 576, 9, 3, 49152)
     assert folder.config.tie_word_embeddings and folder.lm_head.weight is folder.model.embed_tokens.weight
