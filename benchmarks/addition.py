@@ -93,7 +93,7 @@ def run_trl(folder, out_dir, steps, eval_every):
     trainer = GRPOTrainer(model=folder, reward_funcs=addition_reward, args=args, train_dataset=data,
                           callbacks=[Curve()])
     trainer.train()
-    rewards = {h["step"]: h["reward"] for h in trainer.state.log_history if "reward" in h}  # logged after a step
+    rewards = {h["step"]: float(h["reward"]) for h in trainer.state.log_history if "reward" in h}  # after on_step_end
     return [dict(row, reward=rewards[row["step"]]) for row in log]
 
 

@@ -423,6 +423,8 @@ def test_unknown_preset_names_the_flag():
     (dict(overlong_buffer=2000, max_new_tokens=1024), 1, "--overlong_buffer"),
     (dict(dynamic_sampling_rounds=-2), 1, "--dynamic_sampling_rounds"),
     (dict(max_tokens_per_microbatch=-1), 1, "--max_tokens_per_microbatch"),
+    (dict(is_mode="mask"), 1, "--tis_cap"),  # masking acts through the cap, which is 0
+    (dict(is_level="sequence", tis_cap=0.5), 1, "--tis_cap"),
 ])
 def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):
     with pytest.raises(SystemExit, match=flag):
