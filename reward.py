@@ -261,16 +261,14 @@ def encode_prompt(tokenizer, prompt: list[dict] | str, plain_template: bool = Fa
 
 
 def load_rows(task: str, split: str, data_path: str, train_size: int, test_size: int, seed: int) -> list[dict]:
-    """The raw rows of one split. Countdown and toy rows are generated (the test split first, so they are disjoint),
-    so the default job needs no download; gsm8k and math come from a hub id or a local folder of splits."""
-    if task == "countdown":
-        problems = countdown_problems(test_size + train_size, seed)
+    """The raw rows of one split. Countdown, addition and toy rows are generated (the test split first, so they are
+    disjoint), so those jobs need no download; gsm8k and math come from a hub id or a local folder of splits."""
+    generators = {"countdown": countdown_problems, "addition": addition_problems}
+    if task in generators:
+        problems = generators[task](test_size + train_size, seed)
         return problems[:test_size] if split == "test" else problems[test_size:]
     if task == "toy":
         return [{"target": "a"}] * (test_size if split == "test" else train_size)
-    if task == "addition":
-        problems = addition_problems(test_size + train_size, seed)
-        return problems[:test_size] if split == "test" else problems[test_size:]
     import datasets  # only the downloaded tasks need it
     path = data_path or DATASETS[task]  # a local folder: datasets reads the splits from the file names
     return list(datasets.load_dataset(path, "main" if path == DATASETS["gsm8k"] else None, split=split))

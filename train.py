@@ -666,12 +666,8 @@ def set_loss_weights(samples, cfg, dp_group):
 
 
 def per_token(samples, field, device):
-    """A field of the samples over their response tokens, joined [N]: tensors as they are, floats repeated."""
-    values = [getattr(s, field) for s in samples]
-    if isinstance(values[0], float):
-        lengths = torch.tensor([len(s.response_ids) for s in samples])
-        return torch.tensor(values).repeat_interleave(lengths).to(device)
-    return torch.cat(values).to(device)
+    """A per-token field of the samples (a tensor [T] each), joined over their response tokens [N]."""
+    return torch.cat([getattr(s, field) for s in samples]).to(device)
 
 
 # ----------------------------------------------------------------------------- update
@@ -732,10 +728,11 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id):
             logp, entropy = response_logprobs(model, batch, cfg, mesh["tp"], pad_id)
             old_logp = logp.detach() if start == 0 else per_token(batch, "old_logprobs", device)
             lengths = torch.tensor([len(s.response_ids) for s in batch], device=device)
+            advantages = torch.tensor([s.advantage for s in batch], device=device).repeat_interleave(lengths)
+            loss_weights = torch.tensor([s.loss_weight for s in batch], device=device).repeat_interleave(lengths)
             is_weights, mismatch = engine_mismatch(old_logp, per_token(batch, "engine_logprobs", device), cfg, lengths)
             ref_logp = per_token(batch, "ref_logprobs", device) if cfg.beta > 0 else None
-            loss, metrics = policy_loss(logp, old_logp, per_token(batch, "advantage", device),
-                                        per_token(batch, "loss_weight", device), cfg, ref_logp, entropy, is_weights,
+            loss, metrics = policy_loss(logp, old_logp, advantages, loss_weights, cfg, ref_logp, entropy, is_weights,
                                         lengths)
             loss.backward()
             for key, value in {**metrics, **mismatch, "tokens": len(logp)}.items():

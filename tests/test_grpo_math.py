@@ -134,7 +134,7 @@ def aggregated_loss(rank, world, loss_agg, lengths, max_new_tokens, ratio_level=
     old = -torch.rand(n, generator=g, dtype=torch.float64)
     logp = (old + torch.randn(n, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
     adv = torch.repeat_interleave(torch.randn(len(lengths), generator=g, dtype=torch.float64), torch.tensor(lengths))
-    weights = train.per_token(samples, "loss_weight", "cpu").double()
+    weights = torch.tensor([s.loss_weight for s in samples for _ in s.response_ids], dtype=torch.float64)
     loss, _ = train.policy_loss(logp, old, adv, weights, cfg, None, torch.zeros(n, dtype=torch.float64),
                                 lengths=torch.tensor(lengths))
     loss.backward()
@@ -254,7 +254,7 @@ def loss_weights(rank, world, loss_agg):
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
     samples = make_samples(6, seed=4)[rank * 3:(rank + 1) * 3]
     train.set_loss_weights(samples, train.Config(loss_agg=loss_agg, max_new_tokens=16), mesh["dp"].get_group())
-    return train.per_token(samples, "loss_weight", "cpu").tolist()
+    return [s.loss_weight for s in samples for _ in s.response_ids]
 
 
 def test_loss_weights_follow_the_aggregation_over_all_ranks():
@@ -375,7 +375,7 @@ def test_gspo_ratio_is_the_geometric_mean_of_token_ratios_clipped_per_response_w
         s = math.prod(token_ratios) ** (1 / len(span))  # the geometric mean
         a = adv[span[0]].item()
         unclipped_active = s * a <= min(max(s, 1 - lo), 1 + hi) * a
-        clipped_tokens += 0 if s * a <= min(max(s, 1 - lo), 1 + hi) * a + 1e-15 else len(span)
+        clipped_tokens += 0 if unclipped_active else len(span)
         for t in span:
             expected += weights[t].item() * -min(s * a, min(max(s, 1 - lo), 1 + hi) * a)
             want = weights[t].item() * (-a * s if unclipped_active else 0.0)
