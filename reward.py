@@ -14,6 +14,7 @@ import math
 import multiprocessing
 import operator
 import os
+import pickle
 import random
 import re
 import signal
@@ -260,6 +261,24 @@ def encode_prompt(tokenizer, prompt: list[dict] | str, plain_template: bool = Fa
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+def stop_token_ids(tokenizer) -> list[int]:
+    """EOS of the tokenizer plus Qwen's end-of-turn and end-of-text tokens, where the vocabulary has them."""
+    vocab = tokenizer.get_vocab()
+    ids = {tokenizer.eos_token_id} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
+    return sorted(i for i in ids if i is not None)
+
+
+def check_item(item: dict, split: str) -> None:
+    """Stop with the missing field's name when an item lacks what the prompt or reward_fn reads, before any model
+    is loaded."""
+    try:
+        _ = item["prompt"]
+        reward_fn("", item)
+    except KeyError as missing:
+        raise SystemExit(f"{split} items lack the field {missing} that the prompt or reward_fn reads: "
+                         "return it from PromptDataset.__getitem__ in train.py")
+
+
 def load_rows(task: str, split: str, data_path: str, train_size: int, test_size: int, seed: int) -> list[dict]:
     """The raw rows of one split. Countdown, addition and toy rows are generated (the test split first, so they are
     disjoint), so those jobs need no download; gsm8k and math come from a hub id or a local folder of splits."""
@@ -278,14 +297,14 @@ def load_rows(task: str, split: str, data_path: str, train_size: int, test_size:
 # running reward_fn on model output: in worker processes, each call cut off after a timeout
 
 
-def _reward_or_error(completion: str, sample: dict, timeout: float) -> tuple[float, str | None]:
+def _reward_or_error(completion: str, pickled_sample: bytes, timeout: float) -> tuple[float, str | None]:
     """In a worker: (score, None), or (0.0, traceback) when reward_fn raises or runs past `timeout` seconds."""
     def raise_timeout(signum, frame):
         raise TimeoutError("reward_fn ran past --reward_timeout")
     signal.signal(signal.SIGALRM, raise_timeout)
     signal.setitimer(signal.ITIMER_REAL, timeout, 1.0)  # repeats if reward_fn swallows the TimeoutError
     try:
-        return float(reward_fn(completion, sample)), None
+        return float(reward_fn(completion, pickle.loads(pickled_sample))), None
     except Exception:
         return 0.0, traceback.format_exc()
     finally:
@@ -306,7 +325,9 @@ class RewardWorkers:
         SIGALRM cannot cut off (signals blocked in C code) misses the batch's deadline and scores 0."""
         batch_seconds = self.timeout * math.ceil(len(completions) / self.workers) + 5
         deadline = time.monotonic() + batch_seconds
-        jobs = [self.pool.apply_async(_reward_or_error, (completion, sample, self.timeout))
+        # Samples travel as pickle's bytes: SGLang patches multiprocessing's own pickling of tensors for CUDA IPC in
+        # the trainer's process, after which it fails on a CPU tensor that a row may hold.
+        jobs = [self.pool.apply_async(_reward_or_error, (completion, pickle.dumps(sample), self.timeout))
                 for completion, sample in zip(completions, samples)]
         results = []
         for job in jobs:

@@ -2,17 +2,12 @@
 
 One step: sample G completions per prompt from the rollout engine, score them with reward.reward_fn, normalise
 rewards within each group into advantages, take clipped policy-gradient steps on the policy (FSDP2 over "dp",
-DTensor tensor parallelism over "tp"), and push the new weights into the engine.
-
-Launch:
+DTensor tensor parallelism over "tp"), and push the new weights into the engine. GRPO, Dr. GRPO and DAPO are flag
+settings (README); logprobs are of logits / temperature, as the engine samples. Every flag is a field of `Config`.
     torchrun --standalone --nproc_per_node=2 train.py --preset cpu   # CPU demo: tiny random model, toy task
     torchrun --nproc_per_node=8 train.py --tp 2                       # GPU: Countdown, Qwen2.5-3B-Instruct
-
-Edit two places: `PromptDataset.__getitem__` below (what a prompt is and what the reward needs) and
-`reward_fn` in reward.py (how a completion is scored; the tasks' data and prompt texts live there too). Every flag
-is a field of `Config`.
-
-GRPO, Dr. GRPO and DAPO are flag settings (README); logprobs are of logits / temperature, as the engine samples.
+Edit two places: `PromptDataset.__getitem__` below (what a prompt is and what the reward needs) and `reward_fn` in
+reward.py (how a completion is scored; the tasks' data and prompt texts live there too).
 """
 import datetime
 import functools
@@ -44,6 +39,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
+import transformers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser,
                           PreTrainedTokenizerFast, Qwen2Config)
 
@@ -60,7 +56,7 @@ class Config:
     train_size: int = 20000  # countdown / toy / addition: problems generated for training
     test_size: int = 500  # countdown / toy / addition: held-out problems, disjoint from training
     plain_template: bool = False  # R1-Zero's plain prompt even when the tokenizer has a chat template (base models)
-    preset: str = ""  # "cpu": tiny model, toy task, small batches; flags given explicitly still win
+    preset: Literal["", "cpu"] = ""  # cpu: tiny model, toy task, small batches; flags given explicitly still win
     engine: Literal["sglang", "hf"] = "sglang" if torch.cuda.is_available() else "hf"  # hf: HF generate (CPU)
     mem_fraction: float = 0.5  # sglang: fraction of the GPU's free memory at start for its weights and KV cache
     engine_port: int = 30000  # sglang: each TP group's engine uses engine_port + its first rank's local rank
@@ -123,10 +119,7 @@ PRESETS = {"cpu": dict(model="tiny", task="toy", engine="hf", steps=30, prompts_
 
 def parse_config(argv=None):
     parser = HfArgumentParser(Config, allow_abbrev=False)
-    preset = parser.parse_known_args(argv)[0].preset
-    if preset not in ("", *PRESETS):
-        raise SystemExit(f"--preset {preset!r} is unknown: choose one of {sorted(PRESETS)}")
-    parser.set_defaults(**PRESETS.get(preset, {}))
+    parser.set_defaults(**PRESETS.get(parser.parse_known_args(argv)[0].preset, {}))
     cfg, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     if unknown:
         raise SystemExit(f"unknown flags {unknown}: every flag is a field of Config in train.py")
@@ -176,13 +169,7 @@ class PromptDataset(torch.utils.data.Dataset):
         if len(self.rows) < (cfg.prompts_per_step if split == "train" else 1):
             raise SystemExit(f"the {split} split has {len(self.rows)} rows, fewer than a step's "
                              f"--prompts_per_step {cfg.prompts_per_step}: check --task, --data_path, --train_size")
-        try:  # catch items that lack what the prompt or the reward reads, before any model is loaded
-            item = self[0]
-            _ = item["prompt"]
-            reward.reward_fn("", item)
-        except KeyError as missing:
-            raise SystemExit(f"{split} items lack the field {missing} that the prompt or reward_fn reads: "
-                             "return it from PromptDataset.__getitem__ in train.py")
+        reward.check_item(self[0], split)
 
     def __len__(self):
         return len(self.rows)
@@ -203,6 +190,14 @@ class PromptDataset(torch.utils.data.Dataset):
         return {"prompt": [{"role": "user", "content": content}], "task": self.task, **fields}
 
 
+def check_prompt_lengths(items, tokenizer, cfg, context_length):
+    """The longest prompt plus --max_new_tokens must fit the model's context: SGLang fails a whole batch otherwise."""
+    longest = max(len(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items)
+    if longest + cfg.max_new_tokens > context_length:
+        raise SystemExit(f"the longest prompt has {longest} tokens, so --max_new_tokens {cfg.max_new_tokens} passes "
+                         f"the model's context length {context_length}: set it to {context_length - longest} at most")
+
+
 def char_tokenizer():
     """A character-level tokenizer with Qwen's special tokens, for the tiny CPU model: nothing to download."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -212,13 +207,6 @@ def char_tokenizer():
     tok.decoder = tokenizers.decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>"])
-
-
-def stop_token_ids(tokenizer):
-    """EOS of the tokenizer plus Qwen's end-of-turn and end-of-text tokens, where the vocabulary has them."""
-    vocab = tokenizer.get_vocab()
-    ids = {tokenizer.eos_token_id} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
-    return sorted(i for i in ids if i is not None)
 
 
 def step_rows(dataset, step, cfg, dp_rank, dp, sampling_round=0):
@@ -333,18 +321,15 @@ def on_first_rank(work, group=None):
 class HFEngine:
     """Rollouts with HF generate on an unsharded copy of the policy. As SGLangEngine: generate() gives a Sample per
     prompt; update_weights() takes buckets of (HF name, full tensor)."""
-    dtype = torch.float32
 
     def __init__(self, model_config, device, pad_id):
-        self.model = AutoModelForCausalLM.from_config(model_config, dtype=self.dtype).to(device).eval()
+        self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).to(device).eval()
         self.model.generation_config = GenerationConfig()  # no sampling defaults (top_k=50) sneak in
         self.pad_id = pad_id
 
-    @torch.no_grad()
     def update_weights(self, buckets):
         for bucket in buckets:
-            for name, tensor in bucket:
-                self.model.get_parameter(name).copy_(tensor)
+            self.model.load_state_dict(dict(bucket), strict=False)  # check_pushed_names vouches for the names
 
     @torch.no_grad()
     def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):
@@ -369,12 +354,10 @@ class HFEngine:
 class SGLangEngine:
     """Rollouts from an in-process SGLang engine: one per TP group of the trainer, on the same GPUs, created by
     the group's first rank. Weights arrive as flattened bf16 buckets through CUDA IPC, never through disk."""
-    dtype = torch.bfloat16
 
-    def __init__(self, cfg, model_config, tp, base_gpu_id, rank=0):
+    def __init__(self, cfg, model_config):
         import sglang
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-        monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID, as the engine's side expects
+        rank, base_gpu_id = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))  # the group's first
         # Under torchrun the engine's schedulers would join torchrun's store as clients and hang at start.
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
         config_dir = os.path.join(cfg.out_dir, f"engine_model_rank{rank}")  # read from disk by SGLang
@@ -382,14 +365,14 @@ class SGLangEngine:
         # The engine's processes inherit ignored SIGINT / SIGTERM: torchrun's signals are the trainer's to act on.
         handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
         self.engine = sglang.Engine(
-            model_path=config_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", tp_size=tp,
+            model_path=config_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", tp_size=cfg.tp,
             dp_size=1, base_gpu_id=base_gpu_id, nccl_port=cfg.engine_port + base_gpu_id, random_seed=cfg.seed + rank,
             enable_memory_saver=True, mem_fraction_static=cfg.mem_fraction, log_level="error")
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         # The first request starts SGLang's event loop, which installs its own SIGTERM handler: the trainer's wins.
         self.engine.generate(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
-        self.tp, self.released = tp, False
+        self.released = False
 
     def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):
         # SGLang samples from its schedulers' RNG, seeded once with --seed; `seed` only steers the hf engine.
@@ -403,21 +386,14 @@ class SGLangEngine:
         self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
         self.released = True
 
-    def update_weights(self, buckets):
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    def update_weights(self, payloads):  # per bucket, a serialized copy for each engine TP rank (sglang_payloads)
         if self.released:  # resuming what was not released crashes the engine
             self.engine.resume_memory_occupation(tags=["weights"])  # freed, not kept: every weight is pushed
         session = hasattr(self.engine, "begin_weight_update")  # sglang >= 0.5.21 pushes inside a session
         if session:
             self.check(self.engine.begin_weight_update())
         try:
-            for bucket in buckets:
-                flat_bucket = FlattenedTensorBucket(named_tensors=bucket)
-                payload = {"flattened_tensor": flat_bucket.get_flattened_tensor(),
-                           "metadata": flat_bucket.get_metadata()}
-                # One serialization per engine TP rank: each rank opens (and releases) its own IPC handles.
-                per_rank = [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(self.tp)]
+            for per_rank in payloads:
                 self.check(self.engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket",
                                                                   flush_cache=False))
         finally:  # an open session would refuse the next push
@@ -427,7 +403,6 @@ class SGLangEngine:
         if self.released:
             self.engine.resume_memory_occupation(tags=["kv_cache"])
             self.released = False
-        torch.cuda.ipc_collect()
 
     @staticmethod
     def check(result):  # SGLang reports a failed weight update as (False, message) rather than raising
@@ -436,20 +411,22 @@ class SGLangEngine:
             raise RuntimeError(f"SGLang weight update failed: {message}")
 
 
-def create_engine(cfg, model_config, mesh, device, pad_id):
-    """The engine of this rank's TP group, owned by the group's first rank; None on the other ranks."""
-    if mesh["tp"].get_local_rank() != 0:
-        return None
-    if cfg.engine == "hf":
-        return HFEngine(model_config, device, pad_id)
-    return SGLangEngine(cfg, model_config, cfg.tp, int(os.environ.get("LOCAL_RANK", 0)), dist.get_rank())
-
-
 def free_gpu_cache(group):
     """Give the caching allocator's memory back and wait for the group: SGLang, on the same GPUs, re-takes its own."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         dist.barrier(group=group)
+
+
+def check_pushed_names(model, model_config):
+    """Each parameter the trainer pushes, by name and full shape, is one of the model that the engine builds from
+    config.json's `architectures`: SGLang skips an unknown name silently and dies on a shape it does not expect."""
+    with torch.device("meta"):
+        expected = dict(getattr(transformers, model_config.architectures[0])(model_config).named_parameters())
+    for name, param in model.named_parameters():
+        if name not in expected or expected[name].shape != param.shape:
+            raise SystemExit(f"the trainer would push {name} {list(param.shape)}, which the engine's "
+                             f"{model_config.architectures[0]} lacks: check `architectures` in --model's config.json")
 
 
 def weight_buckets(model, bucket_bytes, dtype, tp_group):
@@ -468,22 +445,44 @@ def weight_buckets(model, bucket_bytes, dtype, tp_group):
     free_gpu_cache(tp_group)
 
 
-def push_weights(model, engine, bucket_mb, tp_group):
+def sglang_payloads(buckets, tp_group):
+    """Per bucket, a serialized copy for each engine TP rank, gathered on the group's first rank (None elsewhere):
+    trainer rank i, on engine TP rank i's GPU, sends the CUDA IPC handles of its own copy (as sglang's weight_sync)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    if torch.cuda.is_available():
+        monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID, as the engine's side expects
+    for bucket in buckets:
+        flat = FlattenedTensorBucket(named_tensors=bucket)
+        payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+        per_rank = [None] * dist.get_world_size(tp_group) if dist.get_rank(tp_group) == 0 else None
+        dist.gather_object(MultiprocessingSerializer.serialize(payload, output_str=True), per_rank,
+                           dst=dist.get_global_rank(tp_group, 0), group=tp_group)
+        yield per_rank
+
+
+def push_weights(model, engine, cfg, tp_group):
     """The new weights into the engine; ranks without an engine still join every gather."""
     free_gpu_cache(tp_group)  # before the engine's weights come back
-    buckets = weight_buckets(model, bucket_mb << 20, engine.dtype if engine else torch.float32, tp_group)
+    on_sglang = cfg.engine == "sglang"
+    buckets = weight_buckets(model, cfg.bucket_mb << 20, torch.bfloat16 if on_sglang else torch.float32, tp_group)
+    if on_sglang:
+        buckets = sglang_payloads(buckets, tp_group)
     if engine is not None:
         engine.update_weights(buckets)
-        return
-    for _ in buckets:  # every gather is a collective that the engine's rank runs too; nothing is kept
-        pass
+    else:
+        for _ in buckets:  # every gather is a collective that the engine's rank runs too; nothing is kept
+            pass
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()  # free the buckets whose IPC handles the engine has released
 
 
 # ----------------------------------------------------------------------------- rollouts and rewards
 def generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, seed, tp_group, n, temperature):
     """n scored samples per prompt from this tp group's engine; the tracebacks of failed reward_fn calls."""
     prompts = [reward.encode_prompt(tokenizer, row["prompt"], cfg.plain_template) for row in rows for _ in range(n)]
-    stop_ids = stop_token_ids(tokenizer)
+    stop_ids = reward.stop_token_ids(tokenizer)
     samples = on_first_rank(
         lambda: engine.generate(prompts, temperature, cfg.top_p, cfg.max_new_tokens, stop_ids, seed), tp_group)
     completions = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
@@ -665,11 +664,6 @@ def set_loss_weights(samples, cfg, dp_group):
             s.loss_weight = dp / (tokens if cfg.loss_agg == "token" else cfg.max_new_tokens * sequences)
 
 
-def per_token(samples, field, device):
-    """A per-token field of the samples (a tensor [T] each), joined over their response tokens [N]."""
-    return torch.cat([getattr(s, field) for s in samples]).to(device)
-
-
 # ----------------------------------------------------------------------------- update
 def clip_grad_norm(model, max_norm):
     """The global grad norm, gradients scaled to at most max_norm (left alone if it is not finite). A norm per mesh,
@@ -726,12 +720,13 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id):
         set_loss_weights(minibatch, cfg, mesh["dp"].get_group())
         for batch in micro_batches(minibatch, cfg):
             logp, entropy = response_logprobs(model, batch, cfg, mesh["tp"], pad_id)
-            old_logp = logp.detach() if start == 0 else per_token(batch, "old_logprobs", device)
+            old_logp = logp.detach() if start == 0 else torch.cat([s.old_logprobs for s in batch]).to(device)
             lengths = torch.tensor([len(s.response_ids) for s in batch], device=device)
             advantages = torch.tensor([s.advantage for s in batch], device=device).repeat_interleave(lengths)
             loss_weights = torch.tensor([s.loss_weight for s in batch], device=device).repeat_interleave(lengths)
-            is_weights, mismatch = engine_mismatch(old_logp, per_token(batch, "engine_logprobs", device), cfg, lengths)
-            ref_logp = per_token(batch, "ref_logprobs", device) if cfg.beta > 0 else None
+            engine_logp = torch.cat([s.engine_logprobs for s in batch]).to(device)
+            is_weights, mismatch = engine_mismatch(old_logp, engine_logp, cfg, lengths)
+            ref_logp = torch.cat([s.ref_logprobs for s in batch]).to(device) if cfg.beta > 0 else None
             loss, metrics = policy_loss(logp, old_logp, advantages, loss_weights, cfg, ref_logp, entropy, is_weights,
                                         lengths)
             loss.backward()
@@ -870,8 +865,7 @@ def resume(cfg, model, optimizer, scheduler):
     """Restore what save_checkpoint wrote in the --resume folder ("auto": the newest complete one under out_dir, if
     any); returns (folder, step, wandb id), with folder "" for a fresh start."""
     found = complete_checkpoints(cfg.out_dir)
-    newest = found[-1] if found else ""
-    path = newest if cfg.resume == "auto" else cfg.resume
+    path = (found[-1] if found else "") if cfg.resume == "auto" else cfg.resume
     if path and not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise SystemExit(f"--resume {path}: not a complete checkpoint folder (no trainer_state.json)")
     if found and not path:
@@ -900,6 +894,18 @@ def stop_on_signal():
     return requested
 
 
+def shut_down(engine, reward_workers, wandb_run):
+    """Reward workers and wandb first: SGLang's shutdown SIGKILLs every child of this process, and a pool worker
+    killed holding the pool's lock would hang its close forever, as wandb's killed service fails its finish()."""
+    reward_workers.close()
+    if wandb_run is not None:
+        import wandb
+        wandb_run.finish()
+        wandb.teardown()  # and its service process
+    if isinstance(engine, SGLangEngine):
+        engine.engine.shutdown()  # and its scheduler processes
+
+
 # ----------------------------------------------------------------------------- main
 def main():
     cfg = parse_config()
@@ -917,6 +923,7 @@ def main():
     train_set, test_set = PromptDataset(cfg, "train"), PromptDataset(cfg, "test")
     tiny_config = Qwen2Config(vocab_size=len(tokenizer), **TINY_MODEL)
     model_config = tiny_config if cfg.model == "tiny" else AutoConfig.from_pretrained(cfg.model)
+    check_prompt_lengths([*train_set, *test_set], tokenizer, cfg, model_config.max_position_embeddings)
     model = build_model(model_config, mesh, device, cfg.activation_checkpointing)
     ref_model = None
     if cfg.beta > 0:  # frozen: its log-probs are only read
@@ -931,10 +938,13 @@ def main():
     reward_workers = reward.RewardWorkers(cfg.reward_workers, cfg.reward_timeout, show_first_error=rank == 0)
     tp_group, pad_id = mesh["tp"].get_group(), tokenizer.pad_token_id
     free_gpu_cache(tp_group)  # SGLang sizes itself from the free memory it sees at start
-    engine = create_engine(cfg, model_config, mesh, device, pad_id)
+    engine = None
+    if mesh["tp"].get_local_rank() == 0:  # one engine per TP group, owned by the group's first rank
+        engine = HFEngine(model_config, device, pad_id) if cfg.engine == "hf" else SGLangEngine(cfg, model_config)
     stop = stop_on_signal()
     try:
-        push_weights(model, engine, cfg.bucket_mb, tp_group)
+        check_pushed_names(model, model_config)
+        push_weights(model, engine, cfg, tp_group)
         for step in range(start_step, cfg.steps):
             start = time.perf_counter()
             # --- generate and reward: G scored samples per prompt (dynamic sampling may take more rounds)
@@ -955,7 +965,7 @@ def main():
             scheduler.step()
             train_done = time.perf_counter()
             # --- push the new weights into the engine
-            push_weights(model, engine, cfg.bucket_mb, tp_group)
+            push_weights(model, engine, cfg, tp_group)
             end = time.perf_counter()
             times = dict(time_rollout=rollout_done - start, time_train=train_done - rollout_done,
                          time_push=end - train_done, time_step=end - start)
@@ -976,11 +986,7 @@ def main():
                     print(f"stopped after step {step + 1}: checkpoint {path}; continue with --resume auto", flush=True)
                 break
     finally:  # no orphaned engine or reward processes, whatever ended the run
-        if isinstance(engine, SGLangEngine):
-            engine.engine.shutdown()  # and its scheduler processes
-        reward_workers.close()
-    if wandb_run is not None:
-        wandb_run.finish()
+        shut_down(engine, reward_workers, wandb_run)
     dist.barrier()  # gloo aborts a rank whose peer tears down first
     dist.destroy_process_group()
 

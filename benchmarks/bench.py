@@ -133,7 +133,8 @@ def stages(rank, world, folder):
         train.build_model(config, mesh, torch.device("cpu")), train.HFEngine(config, torch.device("cpu"), 0)))
     train.load_weights([model], cfg, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    _, t_push, m_push = measure(lambda: train.push_weights(model, engine, 64, mesh["tp"].get_group()))
+    push_cfg = train.Config(engine="hf", bucket_mb=64)
+    _, t_push, m_push = measure(lambda: train.push_weights(model, engine, push_cfg, mesh["tp"].get_group()))
     g = torch.Generator().manual_seed(rank)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (16, 32, 48, 64) for _ in range(4)]
     samples, t_gen, m_gen = measure(lambda: engine.generate(prompts, 1.0, 1.0, cfg.max_new_tokens, [2], seed=rank))

@@ -1,5 +1,6 @@
 """The data stage: problems, datasets, tokenizers, prompt rendering, per-step sharding of prompts, and flags."""
 import copy
+import importlib.util
 import itertools
 import json
 import string
@@ -266,14 +267,14 @@ def test_encode_prompt_encodes_a_string_prompt_as_is(qwen_tokenizer):
 
 
 def test_stop_token_ids_of_qwen_are_im_end_and_endoftext(qwen_tokenizer):
-    assert train.stop_token_ids(qwen_tokenizer) == [ENDOFTEXT, IM_END]
+    assert reward.stop_token_ids(qwen_tokenizer) == [ENDOFTEXT, IM_END]
 
 
 def test_a_qwen_tokenizer_saved_to_a_folder_loads_as_main_loads_it(qwen_tokenizer, tmp_path):
     qwen_tokenizer.save_pretrained(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
     assert reward.encode_prompt(tok, MESSAGES) == reward.encode_prompt(qwen_tokenizer, MESSAGES)
-    assert train.stop_token_ids(tok) == [ENDOFTEXT, IM_END]
+    assert reward.stop_token_ids(tok) == [ENDOFTEXT, IM_END]
 
 
 PRINTABLE = "".join(sorted(set(string.printable) - set("\r\x0b\x0c")))
@@ -303,7 +304,7 @@ def test_char_tokenizer_im_start_is_a_single_id():
 
 def test_char_tokenizer_stop_ids_contain_eos():
     tok = train.char_tokenizer()
-    stops = train.stop_token_ids(tok)
+    stops = reward.stop_token_ids(tok)
     assert tok.eos_token_id in stops
     assert stops == sorted({tok.get_vocab()["<|im_end|>"], tok.get_vocab()["<|endoftext|>"]})
 
@@ -407,11 +408,6 @@ def test_unknown_flag_exits_naming_it():
         train.parse_config(["--lr_typo", "3"])
 
 
-def test_unknown_preset_names_the_flag():
-    with pytest.raises(SystemExit, match="--preset"):
-        train.parse_config(["--preset", "gpu9000"])
-
-
 @pytest.mark.parametrize("flags, world, flag", [
     (dict(tp=2), 3, "--tp"),
     (dict(tp=2, prompts_per_step=6), 8, "--prompts_per_step"),  # dp = 4
@@ -432,7 +428,7 @@ def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):
 
 
 @pytest.mark.parametrize("flag, value", [("--task", "mnist"), ("--loss_agg", "mean"), ("--kl_estimator", "k4"),
-                                         ("--engine", "vllm"), ("--lr_schedule", "linear")])
+                                         ("--engine", "vllm"), ("--lr_schedule", "linear"), ("--preset", "gpu9000")])
 def test_a_choice_outside_its_list_is_refused_naming_the_flag_and_the_choices(flag, value, capsys):
     with pytest.raises(SystemExit):
         train.parse_config([flag, value])
@@ -440,7 +436,24 @@ def test_a_choice_outside_its_list_is_refused_naming_the_flag_and_the_choices(fl
     assert f"argument {flag}" in error and f"invalid choice: '{value}'" in error and "choose from" in error
 
 
+def test_sglang_engine_without_sglang_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # as where sglang is not installed
+    with pytest.raises(SystemExit) as error:
+        train.check_config(train.Config(engine="sglang"), 1)
+    assert "pip install -r requirements.txt" in str(error.value) and "--engine hf" in str(error.value)
+
+
 def test_check_config_accepts_valid_configs():
     train.check_config(train.Config(), world=1)
     train.check_config(train.Config(tp=2), world=8)  # dp 4: 8 prompts, 64 samples a rank
     train.check_config(train.Config(prompts_per_step=8, group_size=3, num_minibatches=4), world=2)
+
+
+def test_prompts_that_leave_no_room_for_max_new_tokens_stop_the_run_naming_the_flag_and_the_bound():
+    tokenizer = train.char_tokenizer()  # one token a character
+    items = [{"prompt": "Say a:"}, {"prompt": [{"role": "user", "content": "x" * 40}]}]
+    longest = max(len(reward.encode_prompt(tokenizer, item["prompt"])) for item in items)
+    assert longest >= 40
+    train.check_prompt_lengths(items, tokenizer, train.Config(max_new_tokens=512 - longest), 512)  # fits exactly
+    with pytest.raises(SystemExit, match=f"--max_new_tokens {513 - longest} .* set it to {512 - longest} at most"):
+        train.check_prompt_lengths(items, tokenizer, train.Config(max_new_tokens=513 - longest), 512)

@@ -77,7 +77,7 @@ def push_then_generate(rank, world, folder, dp, tp):
     engine = train.HFEngine(config, torch.device("cpu"), pad_id=0) if mesh["tp"].get_local_rank() == 0 else None
     if engine is not None:  # start from other weights, so a push that does nothing cannot pass
         engine.update_weights([[(n, torch.zeros_like(p)) for n, p in engine.model.named_parameters()]])
-    train.push_weights(model, engine, 1, mesh["tp"].get_group())
+    train.push_weights(model, engine, train.Config(engine="hf", bucket_mb=1), mesh["tp"].get_group())
     cfg = train.Config(group_size=3, max_new_tokens=8, temperature=1.0)
     rows = [{"prompt": "ab", "task": "toy", "target": "a"}, {"prompt": "cde", "task": "toy", "target": "b"}]
     tokenizer = train.char_tokenizer()
@@ -94,7 +94,7 @@ def push_then_generate(rank, world, folder, dp, tp):
         reward.toy_reward(text, row["target"]) for text, row in zip(texts, [rows[0]] * 3 + [rows[1]] * 3)]
     engine_logp = torch.tensor([lp for s in samples for lp in s.engine_logprobs])
     weights_equal = engine is None or all(torch.equal(p, state[k]) for k, p in engine.model.named_parameters())
-    stop_ids = train.stop_token_ids(tokenizer)
+    stop_ids = reward.stop_token_ids(tokenizer)
     finish_right = all(s.truncated == (s.response_ids[-1] not in stop_ids) for s in samples)
     return {"ids": [(s.prompt_ids, s.response_ids) for s in samples], "weights_equal": weights_equal,
             "finish_right": finish_right and len(samples) == 6, "scores_right": scores_right,
@@ -192,3 +192,39 @@ def test_dynamic_sampling_refills_dropped_groups_and_counts_them(monkeypatch, fl
         assert sum(flat) == filled and dropped == seen_flat - filled
         assert (filled > 0) == (flat_share == 0.9)  # 2 rounds of mostly flat rows cannot fill the batch
     assert dropped > 0 or rounds == 0
+
+
+# ----------------------------------------------------------------------------- what the engine can take
+def check_sharded_names(rank, world, folder):
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    train.check_pushed_names(sharded_model(folder, mesh), AutoConfig.from_pretrained(folder))  # full shapes
+    return True
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_a_sharded_policy_pushes_only_names_and_shapes_its_engine_has(family, tmp_path):
+    assert run_ranks(check_sharded_names, 2, save_reference(tmp_path, family, False)) == [True, True]
+
+
+def test_a_name_the_engines_model_lacks_stops_the_run_naming_it():
+    # A Qwen3 checkpoint whose config.json names Qwen2: SGLang builds Qwen2 and silently skips the q/k norms.
+    config = tiny_config("qwen3", True)
+    model = AutoModelForCausalLM.from_config(config)
+    config.architectures = ["Qwen2ForCausalLM"]
+    with pytest.raises(SystemExit, match=r"model\.layers\.0\.self_attn\.q_norm\.weight \[8\].*Qwen2ForCausalLM"):
+        train.check_pushed_names(model, config)
+    # A fork that adds a parameter the engine's model does not have (a value head).
+    config = tiny_config("qwen2", True)
+    config.architectures = ["Qwen2ForCausalLM"]  # as in a checkpoint's config.json
+    model = AutoModelForCausalLM.from_config(config)
+    model.value_head = torch.nn.Linear(config.hidden_size, 1)
+    with pytest.raises(SystemExit, match=r"value_head\.weight \[1, 32\]"):
+        train.check_pushed_names(model, config)
+
+
+def test_a_shape_the_engines_model_does_not_expect_stops_the_run_naming_it():
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", False))  # vocabulary 96
+    engine_config = tiny_config("qwen2", False)
+    engine_config.vocab_size, engine_config.architectures = 128, ["Qwen2ForCausalLM"]
+    with pytest.raises(SystemExit, match=r"model\.embed_tokens\.weight \[96, 32\]"):
+        train.check_pushed_names(model, engine_config)

@@ -1,42 +1,40 @@
-"""SGLangEngine against a fake `sglang` package (tests/fake_sglang): SGLang cannot run on a CPU, so only SGLang is
-replaced and the trainer's code runs unchanged. The fake follows the 0.5.17 / 0.5.23 API in tests/fake_sglang/API.md:
-start-up arguments, weight pushes as flattened bf16 buckets (one serialized payload per engine TP rank), the 0.5.21+
-weight-update session, memory release / resume bookkeeping, and the output format of generate."""
-import importlib.util
+"""SGLangEngine against the real sglang package with only sglang.Engine faked (tests/fake_sglang_engine.py): the
+engine cannot start on a CPU, so it alone is replaced and the trainer's code runs unchanged. The fakes follow the
+0.5.17 / 0.5.23 API in tests/sglang_api.md: start-up arguments, weight pushes as flattened bf16 buckets (one
+serialized payload per engine TP rank), the 0.5.21+ weight-update session, memory release / resume bookkeeping, the
+output format of generate, and shutdown's SIGKILL of every child process."""
 import os
-import sys
 
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
-import train
-from test_parallel import save_reference, sharded_model, tiny_config
-from workers import run_ranks
+pytest.importorskip("sglang.srt.utils", reason="needs sglang: pip install --no-deps -r requirements-sglang-cpu.txt")
+import fake_sglang_engine  # noqa: E402
+import train  # noqa: E402
+from test_parallel import save_reference, sharded_model, tiny_config  # noqa: E402
+from workers import run_ranks  # noqa: E402
 
-FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_sglang")
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 @pytest.fixture
 def sglang(monkeypatch, tmp_path):
-    """The fake sglang first on sys.path; the environment, the working folder and the module cache restored after."""
-    monkeypatch.syspath_prepend(FAKE)
-    saved = os.environ.get(AGENT_STORE)  # SGLangEngine sets it to "False"; put back as it was below
-    monkeypatch.chdir(tmp_path)  # the engine's config folder lands under the default out_dir, here
-    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)  # CPU torch has no CUDA IPC to collect
+    """The real sglang, whose Engine a test swaps for a fake (undone after); the environment and the working
+    folder restored after."""
     import sglang
+    monkeypatch.setattr(sglang, "Engine", fake_sglang_engine.Engine)
+    monkeypatch.setenv(AGENT_STORE, "")  # SGLangEngine sets it to "False"; monkeypatch puts back what was there
+    monkeypatch.delenv(AGENT_STORE)
+    monkeypatch.chdir(tmp_path)  # the engine's config folder lands under the default out_dir, here
     yield sglang
-    os.environ.pop(AGENT_STORE, None) if saved is None else os.environ.update({AGENT_STORE: saved})
-    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
-        del sys.modules[name]
 
 
-def start(sglang, kind="Engine", tp=1, **cfg):
+def start(sglang, kind="Engine", **cfg):
     """An SGLangEngine whose sglang.Engine is the fake of the given kind; returns it and the fake."""
-    sglang.Engine = getattr(sglang, kind)  # the fixture drops the module afterwards
-    engine = train.SGLangEngine(train.Config(**cfg), tiny_config("qwen2", True), tp=tp, base_gpu_id=0)
+    sglang.Engine = getattr(fake_sglang_engine, kind)  # the fixture puts the real one back afterwards
+    engine = train.SGLangEngine(train.Config(engine="sglang", **cfg), tiny_config("qwen2", True))
     assert engine.engine.calls == [WARM_UP]
     engine.engine.calls.clear()
     return engine, engine.engine
@@ -55,18 +53,17 @@ def test_engine_processes_ignore_the_jobs_signals_and_the_trainers_handlers_come
 
 
 def test_engine_starts_with_the_arguments_the_design_needs(sglang, tmp_path, monkeypatch):
-    from sglang.srt.utils import patch_torch
     monkeypatch.setenv(AGENT_STORE, "True")  # as torchrun sets it
+    monkeypatch.setenv("LOCAL_RANK", "4")  # the TP group's first rank, on the node's fifth GPU
     config = tiny_config("qwen3", False)
-    cfg = train.Config(engine_port=31000, mem_fraction=0.3, seed=7, out_dir=str(tmp_path / "out"))
-    fake = train.SGLangEngine(cfg, config, tp=2, base_gpu_id=4).engine
+    cfg = train.Config(engine_port=31000, mem_fraction=0.3, seed=7, out_dir=str(tmp_path / "out"), tp=2)
+    fake = train.SGLangEngine(cfg, config).engine
     kw = fake.kwargs
     assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] is True and kw["dtype"] == "bfloat16"
     assert (kw["tp_size"], kw["dp_size"], kw["base_gpu_id"]) == (2, 1, 4)
     assert kw["nccl_port"] == 31004  # engine_port + base_gpu_id: distinct for each TP group of a node
     assert kw["enable_memory_saver"] is True and kw["mem_fraction_static"] == 0.3
     assert os.environ[AGENT_STORE] == "False"  # or the engine's schedulers hang at start under torchrun
-    assert patch_torch.calls == 1
     # The architecture reaches the engine through config.json in model_path (load_format="dummy").
     assert os.path.dirname(kw["model_path"]) == cfg.out_dir
     written = fake.model_config
@@ -82,7 +79,7 @@ def test_engine_config_names_the_model_class(sglang, tmp_path):
     saved = AutoConfig.from_pretrained(save_reference(tmp_path / "qwen3", "qwen3", True))  # a checkpoint's config
     for config, arch in ((tiny, "Qwen2ForCausalLM"), (saved, "Qwen3ForCausalLM")):
         cfg = train.Config(out_dir=str(tmp_path / "out"))
-        fake = train.SGLangEngine(cfg, config, tp=1, base_gpu_id=0).engine
+        fake = train.SGLangEngine(cfg, config).engine
         assert fake.model_config.get("architectures") == [arch]
 
 
@@ -106,14 +103,18 @@ def expected_buckets(sizes, bound):
 
 def push_through_fake(rank, world, folder, dp, tp, kind):
     import sglang
-    sglang.Engine = getattr(sglang, kind)
+    sglang.Engine = getattr(fake_sglang_engine, kind)  # in this forked rank only
+    torch.multiprocessing.set_sharing_strategy("file_system")  # shared memory named after the producer's pid
     os.environ["LOCAL_RANK"] = str(rank)
     config = AutoConfig.from_pretrained(folder)
     reference = AutoModelForCausalLM.from_pretrained(folder)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = sharded_model(folder, mesh)
-    engine = train.create_engine(train.Config(engine="sglang", tp=tp), config, mesh, torch.device("cpu"), 0)
-    train.push_weights(model, engine, 1, mesh["tp"].get_group())
+    cfg = train.Config(engine="sglang", tp=tp, bucket_mb=1)
+    engine = train.SGLangEngine(cfg, config) if mesh["tp"].get_local_rank() == 0 else None
+    pids = [None] * tp
+    torch.distributed.all_gather_object(pids, str(os.getpid()), group=mesh["tp"].get_group())
+    train.push_weights(model, engine, cfg, mesh["tp"].get_group())
     if engine is None:
         return None
     fake = engine.engine
@@ -122,7 +123,8 @@ def push_through_fake(rank, world, folder, dp, tp, kind):
             "names": [sorted(w) for w in fake.weights], "want_names": sorted(want),
             "exact": [all(torch.equal(w[n], t) for n, t in want.items()) for w in fake.weights],
             "dtypes": sorted({str(t.dtype) for w in fake.weights for t in w.values()}),
-            "buckets": expected_buckets([t.numel() * 2 for t in want.values()], 1 << 20)}
+            "buckets": expected_buckets([t.numel() * 2 for t in want.values()], 1 << 20),
+            "producers": fake.producers, "tp_pids": [{pid} for pid in pids]}
 
 
 @pytest.mark.parametrize("kind", ["Engine", "SessionEngine"])  # 0.5.17, and 0.5.21+ with begin/end_weight_update
@@ -138,6 +140,7 @@ def test_push_delivers_every_weight_exactly_to_every_engine_tp_rank(sglang, kind
     for r in owners:
         assert r["buckets"] >= 2
         assert r["names"] == [r["want_names"]] * tp and all(r["exact"]) and r["dtypes"] == ["torch.bfloat16"]
+        assert r["producers"] == r["tp_pids"]  # engine TP rank i reads only the copy of trainer rank i (its GPU)
         assert r["calls"][0] == WARM_UP
         calls = r["calls"][1:]
         kinds = [c[0] for c in calls]
@@ -150,8 +153,14 @@ def test_push_delivers_every_weight_exactly_to_every_engine_tp_rank(sglang, kind
             assert kinds.index("begin") < updates[0] and kinds.index("end") > updates[-1]
 
 
-def buckets_of(n):
-    return [[(f"w{i}", torch.full((2, 3), float(i), dtype=torch.bfloat16))] for i in range(n)]
+def payloads_of(n):
+    """n buckets of one tensor each, serialized for a one-rank engine as train.sglang_payloads does."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    buckets = [FlattenedTensorBucket(named_tensors=[(f"w{i}", torch.full((2, 3), float(i), dtype=torch.bfloat16))])
+               for i in range(n)]
+    return [[MultiprocessingSerializer.serialize({"flattened_tensor": b.get_flattened_tensor(),
+                                                  "metadata": b.get_metadata()}, output_str=True)] for b in buckets]
 
 
 @pytest.mark.parametrize("kind", ["Engine", "SessionEngine"])
@@ -159,7 +168,7 @@ def test_released_memory_is_resumed_weights_first_then_kv_cache_after_the_flush(
     engine, fake = start(sglang, kind)
     for _ in range(2):  # two training steps
         engine.release_memory()
-        engine.update_weights(iter(buckets_of(3)))  # push_weights hands over a generator
+        engine.update_weights(iter(payloads_of(3)))  # push_weights hands over a generator
         kinds = [c[0] for c in fake.calls]
         updates = [i for i, k in enumerate(kinds) if k == "update"]
         assert fake.calls[0] == ("release", ["kv_cache", "weights"])
@@ -173,8 +182,8 @@ def test_released_memory_is_resumed_weights_first_then_kv_cache_after_the_flush(
 
 def test_without_a_release_nothing_is_resumed(sglang):
     engine, fake = start(sglang)
-    engine.update_weights(buckets_of(2))
-    engine.update_weights(buckets_of(2))  # the fake raises KeyError, as sglang does, on resuming a resident tag
+    engine.update_weights(payloads_of(2))
+    engine.update_weights(payloads_of(2))  # the fake raises KeyError, as sglang does, on resuming a resident tag
     assert [c[0] for c in fake.calls] == ["update", "update", "flush_cache"] * 2
     assert fake.weights[0]["w1"].tolist() == [[1.0] * 3] * 2
 
@@ -182,7 +191,7 @@ def test_without_a_release_nothing_is_resumed(sglang):
 def test_a_failed_weight_update_raises_with_sglangs_message(sglang):
     engine, fake = start(sglang, "FailingEngine")
     with pytest.raises(RuntimeError, match="boom"):
-        engine.update_weights(buckets_of(2))
+        engine.update_weights(payloads_of(2))
 
 
 # ----------------------------------------------------------------------------- generate
@@ -204,15 +213,61 @@ def test_generate_keeps_ids_exactly_with_the_stop_token(sglang):
 
 
 # ----------------------------------------------------------------------------- config
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
-def test_sglang_engine_without_sglang_says_how_to_install_it():
-    with pytest.raises(SystemExit) as error:
-        train.check_config(train.Config(engine="sglang"), 1)
-    assert "pip install -r requirements.txt" in str(error.value) and "--engine hf" in str(error.value)
-
-
 def test_sglang_engine_without_a_gpu_says_to_use_the_hf_engine(sglang):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(SystemExit, match="--engine hf"):
         train.check_config(train.Config(engine="sglang"), 1)
+
+
+# ----------------------------------------------------------------------------- teardown
+TEARDOWN = """
+import sys, psutil, sglang, wandb
+import fake_sglang_engine, reward, train
+from test_parallel import tiny_config
+sglang.Engine = fake_sglang_engine.SessionEngine
+workers = reward.RewardWorkers(2, timeout=5.0)
+print("scores", workers.score(["a", "b"], [{"task": "toy", "target": "a"}] * 2)[0])  # idle, waiting on the pool
+run = wandb.init(project="teardown", mode="offline", dir=sys.argv[1])  # its service is a child of this process
+engine = train.SGLangEngine(train.Config(engine="sglang", out_dir=sys.argv[1]), tiny_config("qwen2", True))
+train.shut_down(engine, workers, run)
+print("children left", psutil.Process().children(recursive=True))
+"""
+
+
+def test_shutdown_with_sglangs_kill_of_every_child_neither_hangs_nor_leaves_a_process_or_loses_wandb(tmp_path):
+    """sglang's shutdown SIGKILLs every child of the trainer: done first, it kills an idle reward worker holding the
+    pool's lock (the pool's close then hangs forever) and wandb's service (its finish() then raises)."""
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]), WANDB_SILENT="true")
+    done = subprocess.run([sys.executable, "-c", TEARDOWN, str(tmp_path)], cwd=tmp_path, env=env, timeout=60,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "scores [1.0, 0.0]" in done.stdout and "children left []" in done.stdout
+    [run_file] = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert run_file.stat().st_size > 0
+
+
+def score_rows_holding_tensors_after_sglangs_patch(rank, world):
+    from multiprocessing.reduction import ForkingPickler
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    import reward
+    monkey_patch_torch_reductions()  # as on a GPU, in the trainer's process
+    try:
+        ForkingPickler.dumps(torch.zeros(2))
+        patch_breaks_cpu_tensors = False
+    except IndexError:
+        patch_breaks_cpu_tensors = True
+    workers = reward.RewardWorkers(1, timeout=5.0)
+    try:
+        return patch_breaks_cpu_tensors, workers.score(["a"], [{"task": "toy", "target": "a", "ids": torch.ones(3)}])
+    finally:
+        workers.close()
+
+
+def test_reward_workers_take_rows_holding_cpu_tensors_after_sglangs_cuda_ipc_patch():
+    [(patch_breaks_cpu_tensors, (scores, errors))] = run_ranks(score_rows_holding_tensors_after_sglangs_patch, 1)
+    assert patch_breaks_cpu_tensors  # multiprocessing's own pickling of a CPU tensor fails once patched
+    assert (scores, errors) == ([1.0], [])

@@ -71,16 +71,16 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
     mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp", "tp"))
     model = train.build_model(config, mesh, device)
     train.load_weights([model], train.Config(model=str(tmp_path / "model")), config)
-    cfg = train.Config(out_dir=str(tmp_path), mem_fraction=0.3, engine_port=free_port(), max_new_tokens=64,
-                       temperature=1.0, top_p=1.0, bucket_mb=1)
+    cfg = train.Config(engine="sglang", out_dir=str(tmp_path), mem_fraction=0.3, engine_port=free_port(),
+                       max_new_tokens=64, temperature=1.0, top_p=1.0, bucket_mb=1)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 14, 20) * 4]
     free_before = free_bytes()
-    engine = train.SGLangEngine(cfg, config, tp=1, base_gpu_id=0)
+    engine = train.SGLangEngine(cfg, config)
     try:
         timer = time.perf_counter()
         # ~4 MB of bf16: several 1 MB buckets
-        train.push_weights(model, engine, cfg.bucket_mb, mesh["tp"].get_group())
+        train.push_weights(model, engine, cfg, mesh["tp"].get_group())
         push_s = time.perf_counter() - timer
         samples = rollout(engine, cfg, prompts)
         first = mismatch(model, samples, cfg, mesh["tp"])
@@ -96,7 +96,7 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
             for p in model.parameters():
                 local = p.to_local() if isinstance(p, DTensor) else p
                 local.add_(torch.randn_like(local) * 0.05)
-        train.push_weights(model, engine, cfg.bucket_mb, mesh["tp"].get_group())
+        train.push_weights(model, engine, cfg, mesh["tp"].get_group())
         samples = rollout(engine, cfg, prompts)
         second, stale = mismatch(model, samples, cfg, mesh["tp"]), mismatch(old, samples, cfg, mesh["tp"])
         print(f"second push: mean {second[0]:.4f}, max {second[1]:.4f}; against the old policy (a stale push): "
@@ -110,7 +110,7 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
         free_running = free_bytes()
         engine.release_memory()
         free_released = free_bytes()
-        train.push_weights(model, engine, cfg.bucket_mb, mesh["tp"].get_group())
+        train.push_weights(model, engine, cfg, mesh["tp"].get_group())
         free_resumed = free_bytes()
         freed, taken = free_released - free_running, free_released - free_resumed
         print(f"free before the engine {free_before / GiB:.2f} GiB; static budget ~{static / GiB:.2f} GiB; "

@@ -46,7 +46,7 @@ def test_the_chat_template_renders_chatml_with_smollms_system_prompt_and_stops_a
                                      "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
                                      "<|im_start|>assistant\n")
     vocab = tokenizer.get_vocab()
-    assert train.stop_token_ids(tokenizer) == sorted({vocab["<|im_end|>"], vocab["<|endoftext|>"]})
+    assert reward.stop_token_ids(tokenizer) == sorted({vocab["<|im_end|>"], vocab["<|endoftext|>"]})
 
 
 def test_two_grpo_steps_on_two_ranks_with_engine_and_trainer_logprobs_equal(smollm2, tmp_path):

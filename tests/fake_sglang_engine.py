@@ -1,5 +1,6 @@
-"""A CPU stand-in for the parts of sglang.Engine that train.SGLangEngine calls, following the behaviour of sglang
-0.5.17 / 0.5.23 described in tests/fake_sglang/API.md. It records every call in `engine.calls`, in order.
+"""CPU stand-ins for sglang.Engine, which cannot start without a GPU: everything else train.SGLangEngine uses is the
+real sglang package (its serializer, tensor buckets and process teardown). The fakes follow the behaviour of sglang
+0.5.17 / 0.5.23 described in tests/sglang_api.md and record every call in `engine.calls`, in order.
 
 Engine: 0.5.17 (no weight-update session). SessionEngine: 0.5.21+ (begin/end_weight_update, and updates outside a
 session fail). FailingEngine: every weight update reports (False, "boom")."""
@@ -8,7 +9,8 @@ import os
 import signal
 from collections import namedtuple
 
-from sglang.srt.utils import MultiprocessingSerializer
+import torch
+from sglang.srt.utils import MultiprocessingSerializer, kill_process_tree
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
 # ServerArgs fields (both versions); a name outside them is a TypeError, as for the real dataclass.
@@ -36,6 +38,7 @@ class Engine:
             self.model_config = json.load(f)  # the architecture comes from disk, as load_format="dummy" needs
         self.tp_size = kwargs.get("tp_size", 1)
         self.weights = [{} for _ in range(self.tp_size)]  # what each TP rank's scheduler loaded: name -> tensor
+        self.producers = [set() for _ in range(self.tp_size)]  # pids of the processes whose memory each rank read
         self.offload_tags = set()
         self.calls = []
 
@@ -66,10 +69,14 @@ class Engine:
         self.calls.append(("update", len(named_tensors), load_format, flush_cache))
         assert "weights" not in self.offload_tags, "weights pushed into released memory are lost"
         assert load_format == "flattened_bucket"
-        assert len({id(p) for p in named_tensors}) == len(named_tensors), "one serialize() call per TP rank"
         for r in range(self.tp_size):  # TP rank r deserializes only entry r; a short list is an IndexError
             payload = MultiprocessingSerializer.deserialize(named_tensors[r])
-            bucket = FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"], metadata=payload["metadata"])
+            flat = payload["flattened_tensor"]
+            # With the file_system sharing strategy a CPU tensor's shared memory is named after its producer's pid:
+            # on a GPU, the process that made the copy is the GPU the engine rank reads from.
+            if torch.multiprocessing.get_sharing_strategy() == "file_system":
+                self.producers[r].add(flat.untyped_storage()._share_filename_cpu_()[1].decode().split("_")[1])
+            bucket = FlattenedTensorBucket(flattened_tensor=flat, metadata=payload["metadata"])
             for name, tensor in bucket.reconstruct_tensors():
                 self.weights[r][name] = tensor.clone()
         if flush_cache:
@@ -90,7 +97,9 @@ class Engine:
             self.offload_tags.remove(tag)  # KeyError for a tag that was not released: the scheduler dies
 
     def shutdown(self):
+        """As sglang's: after stopping its own parts, SIGKILL every child process of the caller."""
         self.calls.append(("shutdown",))
+        kill_process_tree(os.getpid(), include_parent=False)
 
 
 class SessionEngine(Engine):
