@@ -220,6 +220,9 @@ def test_a_name_the_engines_model_lacks_stops_the_run_naming_it():
     model.value_head = torch.nn.Linear(config.hidden_size, 1)
     with pytest.raises(SystemExit, match=r"value_head\.weight \[1, 32\]"):
         train.check_pushed_names(model, config)
+    # A fork that compiles the policy: every name gains "_orig_mod.", which SGLang skips with only a warning.
+    with pytest.raises(SystemExit, match=r"_orig_mod\.model\.embed_tokens\.weight \[96, 32\]"):
+        train.check_pushed_names(torch.compile(AutoModelForCausalLM.from_config(config)), config)
 
 
 def test_a_shape_the_engines_model_does_not_expect_stops_the_run_naming_it():
