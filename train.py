@@ -421,6 +421,8 @@ def free_gpu_cache(group):
 def check_pushed_names(model, model_config):
     """Each parameter the trainer pushes, by name and full shape, is one of the model that the engine builds from
     config.json's `architectures`: SGLang skips an unknown name silently and dies on a shape it does not expect."""
+    if not model_config.architectures:
+        raise SystemExit("--model's config.json names no `architectures`, the engine's model class: save_pretrained it")
     with torch.device("meta"):
         expected = dict(getattr(transformers, model_config.architectures[0])(model_config).named_parameters())
     for name, param in model.named_parameters():

@@ -225,6 +225,12 @@ def test_a_name_the_engines_model_lacks_stops_the_run_naming_it():
         train.check_pushed_names(torch.compile(AutoModelForCausalLM.from_config(config)), config)
 
 
+def test_a_config_without_architectures_stops_the_run_saying_so():
+    config = tiny_config("qwen2", False)  # built in code: no `architectures`, which SGLang reads to pick its class
+    with pytest.raises(SystemExit, match="architectures"):
+        train.check_pushed_names(AutoModelForCausalLM.from_config(config), config)
+
+
 def test_a_shape_the_engines_model_does_not_expect_stops_the_run_naming_it():
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2", False))  # vocabulary 96
     engine_config = tiny_config("qwen2", False)
