@@ -194,8 +194,8 @@ def check_prompt_lengths(items, tokenizer, cfg, context_length):
     """The longest prompt plus --max_new_tokens must fit the model's context: SGLang fails a whole batch otherwise."""
     longest = max(len(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items)
     if longest + cfg.max_new_tokens > context_length:
-        raise SystemExit(f"the longest prompt has {longest} tokens, so --max_new_tokens {cfg.max_new_tokens} passes "
-                         f"the model's context length {context_length}: set it to {context_length - longest} at most")
+        raise SystemExit(f"the longest prompt has {longest} tokens: with --max_new_tokens {cfg.max_new_tokens} that "
+                         f"exceeds the model's context length {context_length}; lower it or shorten the prompts")
 
 
 def char_tokenizer():
@@ -357,7 +357,7 @@ class SGLangEngine:
 
     def __init__(self, cfg, model_config):
         import sglang
-        rank, base_gpu_id = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))  # the group's first
+        rank, base_gpu_id = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))  # TP group's first
         # Under torchrun the engine's schedulers would join torchrun's store as clients and hang at start.
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
         config_dir = os.path.join(cfg.out_dir, f"engine_model_rank{rank}")  # read from disk by SGLang
@@ -406,9 +406,8 @@ class SGLangEngine:
 
     @staticmethod
     def check(result):  # SGLang reports a failed weight update as (False, message) rather than raising
-        ok, message = result
-        if not ok:
-            raise RuntimeError(f"SGLang weight update failed: {message}")
+        if not result[0]:
+            raise RuntimeError(f"SGLang weight update failed: {result[1]}")
 
 
 def free_gpu_cache(group):
@@ -419,16 +418,18 @@ def free_gpu_cache(group):
 
 
 def check_pushed_names(model, model_config):
-    """Each parameter the trainer pushes, by name and full shape, is one of the model that the engine builds from
-    config.json's `architectures`: SGLang skips an unknown name silently and dies on a shape it does not expect."""
-    if not model_config.architectures:
-        raise SystemExit("--model's config.json names no `architectures`, the engine's model class: save_pretrained it")
+    """The names and full shapes the trainer pushes must be those of the model class SGLang builds from config.json's
+    `architectures`: it skips an unknown name silently, keeps random weights where none comes, dies on a shape."""
+    architecture = (model_config.architectures or [""])[0]
+    if not hasattr(transformers, architecture):
+        raise SystemExit(f"`architectures` in --model's config.json is {architecture!r}: no class of transformers")
     with torch.device("meta"):
-        expected = dict(getattr(transformers, model_config.architectures[0])(model_config).named_parameters())
-    for name, param in model.named_parameters():
-        if name not in expected or expected[name].shape != param.shape:
-            raise SystemExit(f"the trainer would push {name} {list(param.shape)}, which the engine's "
-                             f"{model_config.architectures[0]} lacks: check `architectures` in --model's config.json")
+        expected = {n: list(p.shape) for n, p in getattr(transformers, architecture)(model_config).named_parameters()}
+    pushed = {name: list(param.shape) for name, param in model.named_parameters()}
+    for name in [*pushed, *sorted(expected.keys() - pushed.keys())]:  # the model's order, then what it lacks
+        if pushed.get(name) != expected.get(name):
+            raise SystemExit(f"the trainer pushes {name} as {pushed.get(name)}, the engine's {architecture} has it as "
+                             f"{expected.get(name)}: check `architectures` in --model's config.json")
 
 
 def weight_buckets(model, bucket_bytes, dtype, tp_group):
@@ -678,8 +679,7 @@ def clip_grad_norm(model, max_norm):
     total = math.sqrt(sum((n.full_tensor() if isinstance(n, DTensor) else n).item() ** 2 for n in norms))
     if math.isfinite(total) and max_norm > 0 and total > max_norm:
         for grads in by_mesh.values():
-            for grad in grads:
-                grad.mul_(max_norm / (total + 1e-6))
+            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
     return total
 
 
@@ -899,13 +899,15 @@ def stop_on_signal():
 def shut_down(engine, reward_workers, wandb_run):
     """Reward workers and wandb first: SGLang's shutdown SIGKILLs every child of this process, and a pool worker
     killed holding the pool's lock would hang its close forever, as wandb's killed service fails its finish()."""
-    reward_workers.close()
-    if wandb_run is not None:
-        import wandb
-        wandb_run.finish()
-        wandb.teardown()  # and its service process
-    if isinstance(engine, SGLangEngine):
-        engine.engine.shutdown()  # and its scheduler processes
+    try:
+        reward_workers.close()
+        if wandb_run is not None:
+            import wandb
+            wandb_run.finish()
+            wandb.teardown()  # and its service process
+    finally:
+        if isinstance(engine, SGLangEngine):
+            engine.engine.shutdown()  # and its scheduler processes
 
 
 # ----------------------------------------------------------------------------- main
@@ -940,12 +942,12 @@ def main():
     reward_workers = reward.RewardWorkers(cfg.reward_workers, cfg.reward_timeout, show_first_error=rank == 0)
     tp_group, pad_id = mesh["tp"].get_group(), tokenizer.pad_token_id
     free_gpu_cache(tp_group)  # SGLang sizes itself from the free memory it sees at start
+    check_pushed_names(model, model_config)
     engine = None
     if mesh["tp"].get_local_rank() == 0:  # one engine per TP group, owned by the group's first rank
         engine = HFEngine(model_config, device, pad_id) if cfg.engine == "hf" else SGLangEngine(cfg, model_config)
     stop = stop_on_signal()
     try:
-        check_pushed_names(model, model_config)
         push_weights(model, engine, cfg, tp_group)
         for step in range(start_step, cfg.steps):
             start = time.perf_counter()

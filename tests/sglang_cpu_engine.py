@@ -229,7 +229,8 @@ class EngineRank:
 
 
 def try_cpu_tensor_ipc_pickle():
-    """What SGLangEngine.__init__'s monkey_patch_torch_reductions() does to pickling a CPU tensor for IPC."""
+    """What sglang's monkey_patch_torch_reductions() (train.sglang_payloads applies it where CUDA is present) does to
+    pickling a CPU tensor for IPC."""
     import torch
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
@@ -393,7 +394,6 @@ def trainer_rank_main(rank, world, port, commands, results, engine_requests, eng
         from torch.distributed.device_mesh import init_device_mesh
         logging.getLogger("torch").setLevel(logging.ERROR)  # not DTensor's notes on sequential all-gathers
         torch.set_num_threads(1)
-        torch.cuda.ipc_collect = lambda: None  # CPU torch has none; train.py calls it only where CUDA is present
         dist.init_process_group("gloo", rank=rank, world_size=world)
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
         trainer_engine = make_engine(engine_requests, engine_replies) if rank == 0 else None

@@ -455,5 +455,5 @@ def test_prompts_that_leave_no_room_for_max_new_tokens_stop_the_run_naming_the_f
     longest = max(len(reward.encode_prompt(tokenizer, item["prompt"])) for item in items)
     assert longest >= 40
     train.check_prompt_lengths(items, tokenizer, train.Config(max_new_tokens=512 - longest), 512)  # fits exactly
-    with pytest.raises(SystemExit, match=f"--max_new_tokens {513 - longest} .* set it to {512 - longest} at most"):
+    with pytest.raises(SystemExit, match=f"{longest} tokens: with --max_new_tokens {513 - longest} .* length 512"):
         train.check_prompt_lengths(items, tokenizer, train.Config(max_new_tokens=513 - longest), 512)

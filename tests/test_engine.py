@@ -211,18 +211,27 @@ def test_a_name_the_engines_model_lacks_stops_the_run_naming_it():
     config = tiny_config("qwen3", True)
     model = AutoModelForCausalLM.from_config(config)
     config.architectures = ["Qwen2ForCausalLM"]
-    with pytest.raises(SystemExit, match=r"model\.layers\.0\.self_attn\.q_norm\.weight \[8\].*Qwen2ForCausalLM"):
+    with pytest.raises(SystemExit, match=r"model\.layers\.0\.self_attn\.q_norm\.weight as \[8\].*Qwen2ForCausalLM"):
         train.check_pushed_names(model, config)
     # A fork that adds a parameter the engine's model does not have (a value head).
     config = tiny_config("qwen2", True)
     config.architectures = ["Qwen2ForCausalLM"]  # as in a checkpoint's config.json
     model = AutoModelForCausalLM.from_config(config)
     model.value_head = torch.nn.Linear(config.hidden_size, 1)
-    with pytest.raises(SystemExit, match=r"value_head\.weight \[1, 32\]"):
+    with pytest.raises(SystemExit, match=r"value_head\.weight as \[1, 32\], the engine's Qwen2ForCausalLM has it as"):
         train.check_pushed_names(model, config)
     # A fork that compiles the policy: every name gains "_orig_mod.", which SGLang skips with only a warning.
-    with pytest.raises(SystemExit, match=r"_orig_mod\.model\.embed_tokens\.weight \[96, 32\]"):
+    with pytest.raises(SystemExit, match=r"_orig_mod\.model\.embed_tokens\.weight as \[96, 32\]"):
         train.check_pushed_names(torch.compile(AutoModelForCausalLM.from_config(config)), config)
+
+
+def test_a_weight_the_trainer_never_pushes_stops_the_run_naming_it():
+    # config.json names Qwen3, the trainer built a Llama (Qwen3 less the q/k norms, which keep random values).
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", True))  # head_dim 8, as the Qwen3 config's
+    engine_config = tiny_config("qwen3", True)
+    engine_config.architectures = ["Qwen3ForCausalLM"]
+    with pytest.raises(SystemExit, match=r"layers\.0\.self_attn\.k_norm\.weight as None, .* Qwen3\w* has it as \[8\]"):
+        train.check_pushed_names(model, engine_config)
 
 
 def test_a_config_without_architectures_stops_the_run_saying_so():
@@ -235,5 +244,5 @@ def test_a_shape_the_engines_model_does_not_expect_stops_the_run_naming_it():
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2", False))  # vocabulary 96
     engine_config = tiny_config("qwen2", False)
     engine_config.vocab_size, engine_config.architectures = 128, ["Qwen2ForCausalLM"]
-    with pytest.raises(SystemExit, match=r"model\.embed_tokens\.weight \[96, 32\]"):
+    with pytest.raises(SystemExit, match=r"model\.embed_tokens\.weight as \[96, 32\], .* has it as \[128, 32\]"):
         train.check_pushed_names(model, engine_config)

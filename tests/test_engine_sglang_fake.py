@@ -240,12 +240,19 @@ def test_shutdown_with_sglangs_kill_of_every_child_neither_hangs_nor_leaves_a_pr
     pool's lock (the pool's close then hangs forever) and wandb's service (its finish() then raises)."""
     import subprocess
     import sys
+    import psutil
     tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]), WANDB_SILENT="true")
-    done = subprocess.run([sys.executable, "-c", TEARDOWN, str(tmp_path)], cwd=tmp_path, env=env, timeout=60,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "scores [1.0, 0.0]" in done.stdout and "children left []" in done.stdout
+    process = subprocess.Popen([sys.executable, "-c", TEARDOWN, str(tmp_path)], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=60)
+    finally:  # a hung shutdown leaves the pool's respawned workers behind (each in its own session): end them too
+        for leftover in psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []:
+            leftover.kill()
+        process.kill()
+    assert process.returncode == 0, stderr[-3000:]
+    assert "scores [1.0, 0.0]" in stdout and "children left []" in stdout
     [run_file] = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert run_file.stat().st_size > 0
 
