@@ -9,9 +9,12 @@ Completions are hostile input (megabytes of text, 10,000 parentheses, `__import_
 eval, and every scan is linear and capped.
 """
 
+import ctypes
 import logging
 import math
 import multiprocessing
+import multiprocessing.connection
+import numbers
 import operator
 import os
 import pickle
@@ -297,44 +300,104 @@ def load_rows(task: str, split: str, data_path: str, train_size: int, test_size:
 # running reward_fn on model output: in worker processes, each call cut off after a timeout
 
 
-def _reward_or_error(completion: str, pickled_sample: bytes, timeout: float) -> tuple[float, str | None]:
-    """In a worker: (score, None), or (0.0, traceback) when reward_fn raises or runs past `timeout` seconds."""
+def _reward_or_error(completion: str, sample: dict, timeout: float) -> tuple[float, str | None]:
+    """In a worker: (score, None), or (0.0, why) when reward_fn raises, runs past `timeout` seconds, or returns
+    anything but a finite number (a NaN reward would stop all learning)."""
     def raise_timeout(signum, frame):
         raise TimeoutError("reward_fn ran past --reward_timeout")
     signal.signal(signal.SIGALRM, raise_timeout)
     signal.setitimer(signal.ITIMER_REAL, timeout, 1.0)  # repeats if reward_fn swallows the TimeoutError
     try:
-        return float(reward_fn(completion, pickle.loads(pickled_sample))), None
+        value = reward_fn(completion, sample)
     except Exception:
         return 0.0, traceback.format_exc()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return 0.0, f"reward_fn returned {repr(value)[:200]}, not a finite number"
+    return float(value), None
+
+
+def _serve(connection, timeout: float) -> None:
+    """A reward worker: scores each (completion, sample) that arrives until the trainer closes the connection."""
+    os.setsid()  # its own session and process group: signals sent to the trainer's group are the trainer's
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's handler, which a replacement inherits
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux): killed when the trainer dies
+    except (OSError, AttributeError):
+        pass
+    while True:
+        try:
+            completion, sample = pickle.loads(connection.recv_bytes())
+        except EOFError:
+            return
+        connection.send_bytes(pickle.dumps(_reward_or_error(completion, sample, timeout)))
 
 
 class RewardWorkers:
-    """reward_fn in `workers` forked processes, each in its own session: signals sent to the trainer's process
-    group are the trainer's to act on. Fork them before an engine or signal handlers exist. With show_first_error,
-    the first failed call's traceback is printed, once."""
+    """reward_fn in `workers` forked processes, each in its own session. A call past `timeout` is cut off inside its
+    worker (SIGALRM). A worker still busy a second later (stuck where SIGALRM cannot reach, as C code with signals
+    blocked) or dead is killed with its process group and replaced, and its call scores 0: a batch never waits much
+    longer than its slowest allowed call. With show_first_error, the first failure is printed, once."""
 
     def __init__(self, workers: int, timeout: float, show_first_error: bool = False):
-        self.pool = multiprocessing.get_context("fork").Pool(workers, initializer=os.setsid)
-        self.workers, self.timeout, self.show_first_error = workers, timeout, show_first_error
+        self.timeout, self.show_first_error = timeout, show_first_error
+        self.context = multiprocessing.get_context("fork")
+        self.workers = [self._start() for _ in range(workers)]
+
+    def _start(self):
+        """A new worker: (process, the trainer's end of its connection)."""
+        ours, theirs = self.context.Pipe()
+        process = self.context.Process(target=_serve, args=(theirs, self.timeout), daemon=True)
+        process.start()
+        theirs.close()
+        return process, ours
+
+    @staticmethod
+    def _stop(process, connection):
+        connection.close()
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the worker and whatever reward_fn started in its group
+        except ProcessLookupError:  # gone already, or killed before its setsid
+            process.kill()
+        process.join()
+
+    def _replace(self, w):
+        self._stop(*self.workers[w])
+        self.workers[w] = self._start()
 
     def score(self, completions: list[str], samples: list[dict]) -> tuple[list[float], list[str]]:
-        """reward_fn of each completion with its sample; the tracebacks of failed calls (scored 0). A call that
-        SIGALRM cannot cut off (signals blocked in C code) misses the batch's deadline and scores 0."""
-        batch_seconds = self.timeout * math.ceil(len(completions) / self.workers) + 5
-        deadline = time.monotonic() + batch_seconds
+        """reward_fn of each completion with its sample; why the failed calls (scored 0) failed."""
         # Samples travel as pickle's bytes: SGLang patches multiprocessing's own pickling of tensors for CUDA IPC in
         # the trainer's process, after which it fails on a CPU tensor that a row may hold.
-        jobs = [self.pool.apply_async(_reward_or_error, (completion, pickle.dumps(sample), self.timeout))
-                for completion, sample in zip(completions, samples)]
-        results = []
-        for job in jobs:
-            try:
-                results.append(job.get(timeout=max(0.0, deadline - time.monotonic())))
-            except Exception as error:  # the deadline passed, or an alarm escaped the worker's own handling
-                results.append((0.0, f"reward_fn did not return by the batch's deadline ({error!r})"))
+        waiting = [(i, pickle.dumps(job)) for i, job in enumerate(zip(completions, samples))][::-1]
+        results, busy = [None] * len(completions), {}  # busy: worker index -> (job index, deadline)
+        while waiting or busy:
+            for w in range(len(self.workers)):
+                if w not in busy and waiting:
+                    if not self.workers[w][0].is_alive():  # killed between calls
+                        self._replace(w)
+                    i, job = waiting.pop()
+                    self.workers[w][1].send_bytes(job)
+                    busy[w] = (i, time.monotonic() + self.timeout + 1.0)
+            wait = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
+            ready = multiprocessing.connection.wait([self.workers[w][1] for w in busy], wait)
+            for w, (i, deadline) in list(busy.items()):
+                process, connection = self.workers[w]
+                if connection in ready:
+                    try:
+                        results[i] = pickle.loads(connection.recv_bytes())
+                        del busy[w]
+                        continue
+                    except (EOFError, OSError):  # reward_fn ended its worker (os._exit), or something killed it
+                        failure = "its reward worker died"
+                elif time.monotonic() >= deadline:
+                    failure = "reward_fn ran a second past --reward_timeout where SIGALRM could not stop it"
+                else:
+                    continue
+                del busy[w]
+                self._replace(w)
+                results[i] = (0.0, f"{failure} (exit code {process.exitcode}): scored 0, and the worker replaced")
         errors = [error for _, error in results if error]
         if errors and self.show_first_error:
             print(f"reward_fn failed; it scores 0, counted as reward_errors (shown once):\n{errors[0]}", flush=True)
@@ -342,4 +405,7 @@ class RewardWorkers:
         return [value for value, _ in results], errors
 
     def close(self):
-        self.pool.terminate()
+        """Every worker killed, with what its reward_fn started: never waits on a stuck call."""
+        for process, connection in self.workers:
+            self._stop(process, connection)
+        self.workers = []

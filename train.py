@@ -524,11 +524,11 @@ def collect_rollouts(engine, reward_workers, dataset, tokenizer, cfg, step, mesh
 # ----------------------------------------------------------------------------- advantages
 def group_advantages(rewards, group_size, scale_std=True, eps=1e-6):
     """(r - group mean) / (group std + eps), std unbiased as in GRPO; without the division for Dr. GRPO."""
-    r = rewards.view(-1, group_size)
+    r = rewards.view(-1, group_size).double()
     adv = r - r.mean(1, keepdim=True)
     if scale_std:
         adv = adv / (r.std(1, keepdim=True) + eps)
-    return adv.view(-1)
+    return adv.masked_fill((r == r[:, :1]).all(1, keepdim=True), 0.0).view(-1)  # equal rewards: no signal, 0
 
 
 def set_advantages(samples, cfg):
@@ -588,11 +588,8 @@ def response_logprobs(model, samples, cfg, tp_mesh, pad_id):
 
 # ----------------------------------------------------------------------------- loss
 # KL(policy || reference) per sampled token from log_ratio = log p - log p_ref (Schulman 2020); GRPO uses k3.
-KL_ESTIMATORS = {
-    "k1": lambda log_ratio: log_ratio,
-    "k2": lambda log_ratio: log_ratio ** 2 / 2,
-    "k3": lambda log_ratio: torch.expm1(-log_ratio) + log_ratio,
-}
+KL_ESTIMATORS = {"k1": lambda log_ratio: log_ratio, "k2": lambda log_ratio: log_ratio ** 2 / 2,
+                 "k3": lambda log_ratio: torch.expm1(-log_ratio) + log_ratio}
 
 
 def response_means(x, lengths):
@@ -807,8 +804,9 @@ def log_step(step, metrics, cfg, wandb_run):
             "push {time_push:.2f}) | {tokens_per_s:.0f} tok/s").format(step=step + 1, steps=cfg.steps, **metrics)
     evals = " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_") and k != "eval_prompts")
     print(line + (f"\n  eval ({metrics['eval_prompts']:.0f} prompts): {evals}" if evals else ""), flush=True)
+    finite = {k: v if math.isfinite(v) else None for k, v in metrics.items()}  # strict JSON: a NaN norm is null
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
+        f.write(json.dumps({"step": step + 1, **finite}) + "\n")
     if wandb_run is not None:
         wandb_run.log(metrics, step=step + 1)
 

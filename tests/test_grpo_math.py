@@ -26,8 +26,15 @@ def test_group_advantages_normalise_within_each_group():
     assert no_std[:4] == pytest.approx([1.0 - 0.5, -0.5, 0.0, 0.0])
 
 
-def test_equal_rewards_give_zero_advantage():
-    assert train.group_advantages(torch.ones(8), 4).abs().max() == 0
+@pytest.mark.parametrize("value, group_size", [(1.0, 4), (0.1, 8), (0.7, 12), (0.3, 6)])
+@pytest.mark.parametrize("scale_std", [True, False])
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(value, group_size, scale_std):
+    """0.1 x 8 in float32 has a mean 0.1 does not equal: divided by std + eps, that remainder was -0.0074 each (and
+    +0.106 for 0.7 x 12), a push with no signal behind it. The other group keeps its advantages."""
+    rewards = torch.tensor([value] * group_size + [0.0] * (group_size - 1) + [1.0])
+    adv = train.group_advantages(rewards, group_size, scale_std).tolist()
+    assert adv[:group_size] == [0.0] * group_size
+    assert adv[-1] > 0 > adv[group_size]
 
 
 def reference_loss(logp, old, adv, weights, lo, hi, beta, ref, coef, ent, estimator="k3"):

@@ -1,8 +1,10 @@
 """Runs that survive bad input: a reward_fn that raises or hangs scores 0 and training goes on; a model that
 cannot be split over --tp is refused before any weights load."""
+import json
 import multiprocessing
 import os
 import shutil
+import signal
 import time
 
 import pytest
@@ -10,7 +12,7 @@ from transformers import Qwen2Config
 
 import reward
 import train
-from test_train import metrics, torchrun
+from test_train import torchrun
 
 BAD_REWARD = '''
 
@@ -18,8 +20,20 @@ _reward_fn = reward_fn
 
 
 def reward_fn(completion, sample):
-    """Raises on some completions, hangs on others (in Python, and where SIGALRM cannot reach), scores the rest."""
-    import signal, time
+    """Raises on some completions, hangs on others (in Python, and where SIGALRM cannot reach), returns what is not
+    a number, ends its process, starts a process of its own, and scores the rest."""
+    import os, signal, subprocess, time
+    if "n" in completion:
+        return float("nan")
+    if "o" in completion:
+        return None
+    if "e" in completion:
+        os._exit(3)
+    if "g" in completion:  # a process of its own, then stuck
+        with open(sample["pid_file"], "w") as f:
+            f.write(str(subprocess.Popen(["sleep", "60"]).pid))
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(60)
     if "b" in completion:
         raise RuntimeError("a bug in the user's reward")
     if "c" in completion:
@@ -39,28 +53,92 @@ def bad_reward(monkeypatch):
     monkeypatch.setattr(reward, "reward_fn", namespace["reward_fn"])  # the workers fork with it
 
 
+def score_timed(workers, texts, items):
+    start = time.perf_counter()
+    rewards, errors = workers.score(texts, items)
+    return rewards, errors, time.perf_counter() - start
+
+
 def test_raising_and_hanging_rewards_score_zero_and_the_rest_score_normally(bad_reward):
     texts = ["aaaa", "abab", "aaaa", "acac", "adad", "aaxx"]
     items = [{"task": "toy", "target": "a"}] * 6
     workers = reward.RewardWorkers(2, timeout=0.5)
-    start = time.perf_counter()
     try:
-        rewards, errors = workers.score(texts, items)
+        rewards, errors, seconds = score_timed(workers, texts, items)
     finally:
-        seconds = time.perf_counter() - start
         workers.close()
     assert rewards == [1.0, 0.0, 1.0, 0.0, 0.0, 0.5]
     assert len(errors) == 3
     assert "a bug in the user's reward" in errors[0] and "TimeoutError" in errors[1]
-    assert "did not return" in errors[2]  # unreachable by SIGALRM: given up at the batch's deadline
-    assert seconds < 0.5 * 3 + 5 + 2  # the deadline: timeout x (samples / workers) + 5 s
+    assert "where SIGALRM could not stop it" in errors[2] and "the worker replaced" in errors[2]
+    assert seconds < 0.5 + 1.0 + 0.5 + 1.5  # the stuck call's timeout and second of grace, beside a 0.5 s timeout
     children = multiprocessing.active_children()
     assert not children, children
 
 
+def test_stuck_workers_are_replaced_so_later_batches_score_normally(bad_reward):
+    """Every worker stuck where SIGALRM cannot reach: each is killed and replaced a second past the timeout."""
+    workers = reward.RewardWorkers(2, timeout=0.5)
+    item = {"task": "toy", "target": "a"}
+    try:
+        first = score_timed(workers, ["adad", "adda", "aaaa"], [item] * 3)
+        second = score_timed(workers, ["aaaa", "aaxx", "aaaa", "xxxx"], [item] * 4)
+    finally:
+        workers.close()
+    assert first[0] == [0.0, 0.0, 1.0] and len(first[1]) == 2 and first[2] < 0.5 + 1.0 + 1.5
+    assert second[:2] == ([1.0, 0.5, 1.0, 0.0], []) and second[2] < 1.0
+
+
+def test_a_worker_that_dies_is_replaced_at_once_and_the_others_still_score(bad_reward):
+    workers = reward.RewardWorkers(2, timeout=5.0)
+    item = {"task": "toy", "target": "a"}
+    try:
+        rewards, errors, seconds = score_timed(workers, ["aeae", "aaaa", "aaxx", "eeee"], [item] * 4)
+        again = workers.score(["aaaa"] * 3, [item] * 3)
+    finally:
+        workers.close()
+    assert rewards == [0.0, 1.0, 0.5, 0.0] and seconds < 2.0  # no wait for the 5 s timeout
+    assert len(errors) == 2 and all("reward worker died (exit code 3)" in e for e in errors)
+    assert again == ([1.0] * 3, [])
+
+
+def test_a_reward_that_is_not_a_finite_number_is_a_failed_call(bad_reward):
+    workers = reward.RewardWorkers(1, timeout=5.0)
+    try:
+        rewards, errors = workers.score(["anan", "aoao", "aaaa"], [{"task": "toy", "target": "a"}] * 3)
+    finally:
+        workers.close()
+    assert rewards == [0.0, 0.0, 1.0]
+    assert "reward_fn returned nan, not a finite number" in errors[0]
+    assert "reward_fn returned None, not a finite number" in errors[1] and len(errors) == 2
+
+
+def test_workers_take_no_trainer_signal_handler_and_close_ends_what_reward_fn_started(bad_reward, tmp_path):
+    """Workers forked after the trainer's SIGTERM handler (replacements are) die of SIGTERM rather than print that
+    they finish the step; close() ends a stuck worker at once, and the process its reward_fn started."""
+    import psutil
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: print("finishing this step"))
+    try:
+        workers = reward.RewardWorkers(2, timeout=0.5)
+        process = workers.workers[0][0]
+        os.kill(process.pid, signal.SIGTERM)
+        process.join(5)
+        assert process.exitcode == -signal.SIGTERM
+        rewards, errors = workers.score(["agag"], [{"task": "toy", "target": "a", "pid_file": str(tmp_path / "pid")}])
+        started = psutil.Process(int((tmp_path / "pid").read_text()))
+        assert rewards == [0.0] and "could not stop it" in errors[0]
+        assert not started.is_running() or started.status() == psutil.STATUS_ZOMBIE  # killed with its worker
+        start = time.perf_counter()
+        workers.close()
+        assert time.perf_counter() - start < 2.0 and not multiprocessing.active_children()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_a_failing_reward_fn_does_not_stop_training(tmp_path):
-    """The whole loop with a reward.py whose reward_fn raises and hangs on some completions."""
-    # Only the hang that SIGALRM cuts off here: the other costs the whole batch deadline (tested above).
+    """The whole loop with a reward.py whose reward_fn raises, hangs, returns NaN or None, or ends its worker on some
+    completions: those score 0 and are counted, metrics.jsonl stays strict JSON, and no step is skipped."""
+    # Only the hang that SIGALRM cuts off here: the other costs a second more per call (tested above).
     for name in ("train.py", "reward.py"):
         shutil.copy(os.path.join(os.path.dirname(os.path.dirname(__file__)), name), tmp_path / name)
     with open(tmp_path / "reward.py", "a") as f:
@@ -69,10 +147,15 @@ def test_a_failing_reward_fn_does_not_stop_training(tmp_path):
     run = torchrun(2, "--preset", "cpu", "--steps", "3", "--reward_timeout", "0.2", "--eval_every", "0",
                    "--out_dir", str(out), cwd=str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = metrics(out)
+    def refuse(constant):
+        raise ValueError(f"metrics.jsonl holds {constant}, which strict JSON has not")
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(line, parse_constant=refuse) for line in f]
     assert len(rows) == 3 and sum(r["reward_errors"] for r in rows) > 0
+    assert all(r["skipped_steps"] == 0 and r["grad_norm"] > 0 for r in rows)  # a NaN reward skipped every step
     assert run.stdout.count("reward_fn failed") == 1  # the first traceback, shown once
-    assert "a bug in the user's reward" in run.stdout or "TimeoutError" in run.stdout
+    shown = ("a bug in the user's reward", "TimeoutError", "not a finite number", "reward worker died", "KeyError")
+    assert any(failure in run.stdout for failure in shown)
 
 
 def test_heads_that_do_not_divide_by_tp_are_refused_before_loading(tmp_path):
