@@ -788,8 +788,8 @@ def open_run_dir(cfg, resumed_from, start_step, wandb_id):
     pathlib.Path(cfg.out_dir, "config.json").write_text(config_text)
     metrics = pathlib.Path(cfg.out_dir, "metrics.jsonl")
     metrics.touch()
-    lines = metrics.read_text().splitlines(keepends=True)
-    metrics.write_text("".join(line for line in lines if json.loads(line)["step"] <= start_step))
+    lines = metrics.read_text().splitlines(keepends=True)  # a line torn by a crash mid-write has no newline
+    metrics.write_text("".join(ln for ln in lines if ln.endswith("\n") and json.loads(ln)["step"] <= start_step))
     if not cfg.wandb_project:
         return None
     import wandb
@@ -917,7 +917,8 @@ def main():
     if cuda:
         torch.cuda.set_device(device)
     # gloo for objects and barriers: no NCCL kernel spins while an engine generates; the timeout covers its start.
-    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=rank, world_size=world,
+    store = None if "MASTER_ADDR" in os.environ else dist.HashStore()  # `python train.py`: one process, no torchrun
+    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=rank, world_size=world, store=store,
                             timeout=datetime.timedelta(hours=1))
     check_config(cfg, world)
     mesh = init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))

@@ -1,10 +1,13 @@
-"""The whole loop through torchrun, as a user runs it: the README's CPU command learns the toy reward."""
+"""The whole loop through torchrun, as a user runs it: the README's CPU command learns the toy reward; one process
+without torchrun; a resume past a torn metrics line."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,3 +107,18 @@ def test_gspo_cispo_and_masked_importance_sampling_learn_the_toy_reward(flags, t
     assert all(r["is_masked_tokens"] == r["is_masked_responses"] == 0 for r in rows)  # the CPU engine matches
     if "cispo" not in flags:
         assert max(r["clip_frac"] for r in rows) > 0
+
+
+def test_python_train_py_runs_as_one_process_without_torchrun(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    run = subprocess.run([sys.executable, "train.py", "--preset", "cpu", "--steps", "3", "--eval_every", "0",
+                          "--out_dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_a_metrics_line_torn_by_a_crash_does_not_block_resuming(tmp_path):
+    lines = [json.dumps({"step": s, "reward": 0.5}) + "\n" for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(lines) + '{"step": 4, "rew')  # killed mid-write
+    train.open_run_dir(train.Config(out_dir=str(tmp_path)), str(tmp_path / "checkpoints" / "step_000002"), 2, None)
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines[:2])  # steps 3 and 4 run again
