@@ -355,12 +355,12 @@ class RewardWorkers:
 
     @staticmethod
     def _stop(process, connection):
-        connection.close()
         try:
             os.killpg(process.pid, signal.SIGKILL)  # the worker and whatever reward_fn started in its group
         except ProcessLookupError:  # gone already, or killed before its setsid
             process.kill()
         process.join()
+        connection.close()  # after the kill: a worker that saw its pipe close would print a traceback
 
     def _replace(self, w):
         self._stop(*self.workers[w])
