@@ -363,8 +363,11 @@ class RewardWorkers:
         connection.close()  # after the kill: a worker that saw its pipe close would print a traceback
 
     def _replace(self, w):
-        self._stop(*self.workers[w])
+        """Worker w killed and a new one in its place; the old one's exit code."""
+        process, connection = self.workers[w]
+        self._stop(process, connection)
         self.workers[w] = self._start()
+        return process.exitcode
 
     def score(self, completions: list[str], samples: list[dict]) -> tuple[list[float], list[str]]:
         """reward_fn of each completion with its sample; why the failed calls (scored 0) failed."""
@@ -383,12 +386,10 @@ class RewardWorkers:
             wait = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
             ready = multiprocessing.connection.wait([self.workers[w][1] for w in busy], wait)
             for w, (i, deadline) in list(busy.items()):
-                process, connection = self.workers[w]
+                connection, failure = self.workers[w][1], None
                 if connection in ready:
                     try:
                         results[i] = pickle.loads(connection.recv_bytes())
-                        del busy[w]
-                        continue
                     except (EOFError, OSError):  # reward_fn ended its worker (os._exit), or something killed it
                         failure = "its reward worker died"
                 elif time.monotonic() >= deadline:
@@ -396,8 +397,8 @@ class RewardWorkers:
                 else:
                     continue
                 del busy[w]
-                self._replace(w)
-                results[i] = (0.0, f"{failure} (exit code {process.exitcode}): scored 0, and the worker replaced")
+                if failure:
+                    results[i] = (0.0, f"{failure} (exit code {self._replace(w)}): scored 0, and the worker replaced")
         errors = [error for _, error in results if error]
         if errors and self.show_first_error:
             print(f"reward_fn failed; it scores 0, counted as reward_errors (shown once):\n{errors[0]}", flush=True)
