@@ -939,7 +939,7 @@ def main():
     wandb_run = open_run_dir(cfg, resumed_from, start_step, wandb_id) if rank == 0 else None
     # Forked before the engine and the signal handlers exist. Rank 0 shows the first failed call's traceback.
     reward_workers = reward.RewardWorkers(cfg.reward_workers, cfg.reward_timeout, show_first_error=rank == 0)
-    tp_group, pad_id = mesh["tp"].get_group(), tokenizer.pad_token_id
+    tp_group, pad_id = mesh["tp"].get_group(), tokenizer.pad_token_id or 0  # any id: padding is masked
     free_gpu_cache(tp_group)  # SGLang sizes itself from the free memory it sees at start
     check_pushed_names(model, model_config)
     engine = None

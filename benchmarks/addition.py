@@ -31,7 +31,7 @@ JOB = dict(task="addition", train_size=700, test_size=200, prompts_per_step=4, g
 def held_out_greedy_accuracy(folder, cfg):
     """Greedy accuracy on the first --eval_prompts held-out prompts, as train.py's evaluation scores them."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    engine = train.HFEngine(AutoConfig.from_pretrained(folder), torch.device("cpu"), tokenizer.pad_token_id)
+    engine = train.HFEngine(AutoConfig.from_pretrained(folder), torch.device("cpu"), tokenizer.pad_token_id or 0)
     engine.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     test_set = train.PromptDataset(cfg, "test")
     items = [test_set[i] for i in range(cfg.eval_prompts)]
@@ -41,10 +41,10 @@ def held_out_greedy_accuracy(folder, cfg):
     return sum(reward.reward_fn(text, item) >= 1 for text, item in zip(texts, items)) / len(items)
 
 
-def run_train_py(folder, out_dir, steps, eval_every):
+def run_train_py(folder, out_dir, steps, eval_every, engine="hf", nproc=2):
     flags = {**JOB, "model": folder, "steps": steps, "eval_every": eval_every, "eval_k": 1, "save_every": 0,
-             "micro_batch_size": 16, "reward_workers": 2, "out_dir": out_dir}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+             "micro_batch_size": 16, "reward_workers": 2, "out_dir": out_dir, "engine": engine}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
     cmd += [arg for key, value in flags.items() for arg in (f"--{key}", str(value))]
     subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest rank (or worker)
@@ -104,6 +104,8 @@ def main():
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--model_dir", default="runs/smollm2-135m-instruct")
     parser.add_argument("--out_dir", default="")
+    parser.add_argument("--engine", choices=("hf", "sglang"), default="hf", help="train.py's rollout engine")
+    parser.add_argument("--nproc_per_node", type=int, default=2, help="train.py's ranks (one per GPU with sglang)")
     args = parser.parse_args()
     folder = os.path.abspath(args.model_dir)
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
@@ -112,7 +114,10 @@ def main():
     before = held_out_greedy_accuracy(folder, train.Config(model=folder, **JOB))
     print(f"held-out greedy accuracy before: {before:.3f}", flush=True)
     start = time.perf_counter()
-    rows = (run_trl if args.trainer == "trl" else run_train_py)(folder, out_dir, args.steps, args.eval_every)
+    if args.trainer == "trl":
+        rows = run_trl(folder, out_dir, args.steps, args.eval_every)
+    else:
+        rows = run_train_py(folder, out_dir, args.steps, args.eval_every, args.engine, args.nproc_per_node)
     minutes = (time.perf_counter() - start) / 60
     print("\nstep | reward | held-out greedy acc | s/step | peak MB per process")
     for r in rows:

@@ -27,7 +27,8 @@ def write_smollm2(out_dir):
     tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=GGUF)
     quantised = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF, dtype=torch.float32)
     config = quantised.config
-    del config.quantization_config  # the saved weights are dequantised: loaders must not treat them as GGUF
+    if hasattr(config, "quantization_config"):  # set by newer transformers (5.19; not 5.12)
+        del config.quantization_config  # the saved weights are dequantised: loaders must not treat them as GGUF
     config.architectures = [type(quantised).__name__]  # SGLang picks its model class from this; the GGUF has none
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantised.state_dict())

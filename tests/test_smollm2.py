@@ -1,6 +1,7 @@
 """A real pretrained model, from PyPI: SmolLM2-135M-Instruct (LlamaForCausalLM) as an HF folder, its chat template,
 and two GRPO steps of train.py on 2 ranks with the engine's log-probs equal to the trainer's."""
 import importlib.util
+import json
 import os
 import sys
 
@@ -49,8 +50,18 @@ def test_the_chat_template_renders_chatml_with_smollms_system_prompt_and_stops_a
     assert reward.stop_token_ids(tokenizer) == sorted({vocab["<|im_end|>"], vocab["<|endoftext|>"]})
 
 
-def test_two_grpo_steps_on_two_ranks_with_engine_and_trainer_logprobs_equal(smollm2, tmp_path):
-    run = torchrun(2, "--model", smollm2, "--task", "addition", "--train_size", "40", "--test_size", "8",
+def test_two_grpo_steps_on_two_ranks_with_engine_and_trainer_logprobs_equal_without_a_pad_token(smollm2, tmp_path):
+    # Many checkpoints name no pad token (SmolLM2's GGUF under transformers 5.12 neither): padding must not need one.
+    folder = tmp_path / "no_pad"
+    folder.mkdir()
+    for name in os.listdir(smollm2):
+        os.symlink(os.path.join(smollm2, name), folder / name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["pad_token"]
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert AutoTokenizer.from_pretrained(folder).pad_token_id is None
+    run = torchrun(2, "--model", str(folder), "--task", "addition", "--train_size", "40", "--test_size", "8",
                    "--prompts_per_step", "2", "--group_size", "4", "--max_new_tokens", "12", "--steps", "2",
                    "--lr", "1e-5", "--warmup_steps", "0", "--eval_every", "0", "--save_every", "0",
                    "--reward_workers", "1", "--out_dir", str(tmp_path), timeout=600)
