@@ -21,6 +21,7 @@ import pickle
 import random
 import re
 import signal
+import string
 import time
 import traceback
 from fractions import Fraction
@@ -264,6 +265,17 @@ def encode_prompt(tokenizer, prompt: list[dict] | str, plain_template: bool = Fa
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+def char_tokenizer():
+    """The toy task's tokenizer for `--model tiny`, nothing to download: Qwen2's byte-level BPE with one token per
+    printable character, no merges, and Qwen's special tokens. Saved with a checkpoint, it loads back as the same
+    Qwen2Tokenizer (transformers builds that class for any qwen2 folder)."""
+    from transformers import Qwen2Tokenizer  # only the tiny model needs it
+    chars = [c if ord(c) > 32 else chr(256 + ord(c)) for c in sorted(set(string.printable))]  # byte-level: " " is Ġ
+    vocab = {token: i for i, token in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + chars)}
+    return Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                          additional_special_tokens=["<|im_start|>"])
+
+
 def stop_token_ids(tokenizer) -> list[int]:
     """EOS of the tokenizer plus Qwen's end-of-turn and end-of-text tokens, where the vocabulary has them."""
     vocab = tokenizer.get_vocab()
@@ -271,15 +283,46 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def check_item(item: dict, split: str) -> None:
-    """Stop with the missing field's name when an item lacks what the prompt or reward_fn reads, before any model
-    is loaded."""
-    try:
-        _ = item["prompt"]
-        reward_fn("", item)
-    except KeyError as missing:
-        raise SystemExit(f"{split} items lack the field {missing} that the prompt or reward_fn reads: "
-                         "return it from PromptDataset.__getitem__ in train.py")
+def gradable(item: dict) -> bool:
+    """Whether reward_fn can give the item full marks at all: its reference answer parses."""
+    if item["task"] in ("gsm8k", "addition"):
+        return _to_number(item["answer"]) is not None
+    if item["task"] == "math":
+        return bool(item["answer"])  # the reference solution has a \boxed{} answer
+    return True
+
+
+def check_items(items: list[dict], split: str, tried: int = 64) -> str:
+    """Before any model is loaded: stop with one line when the items lack a field the prompt or reward_fn reads, or
+    reward_fn raises on each of the first `tried`; return a warning ("" if none) counting the reference answers that
+    do not parse (every reward on those is 0)."""
+    errors = []
+    for item in items[:tried]:
+        try:
+            _ = item["prompt"]
+            reward_fn("", item)
+        except KeyError as missing:
+            raise SystemExit(f"{split} items lack the field {missing} that the prompt or reward_fn reads: "
+                             "return it from PromptDataset.__getitem__ in train.py")
+        except Exception as error:
+            errors.append(error)
+    if errors and len(errors) == len(items[:tried]):
+        raise SystemExit(f"reward_fn fails on each of the first {len(errors)} {split} items "
+                         f"({type(errors[0]).__name__}: {errors[0]}): fix reward_fn in reward.py")
+    bad = [item for item in items if not gradable(item)]
+    if not bad:
+        return ""
+    return (f"warning: {len(bad)} of {len(items)} {split} items have a reference answer that does not parse, so every "
+            f"reward on them is 0; the first: {str(bad[0].get('answer'))[:80]!r}")
+
+
+def check_prompt_lengths(items: list[dict], tokenizer, max_new_tokens: int, context_length: int,
+                         plain_template: bool = False) -> None:
+    """The longest prompt plus --max_new_tokens must fit the model's context: SGLang fails a whole batch otherwise."""
+    longest = max(len(encode_prompt(tokenizer, item["prompt"], plain_template)) for item in items)
+    if longest + max_new_tokens > context_length:
+        raise SystemExit(f"the longest prompt has {longest} tokens: with --max_new_tokens {max_new_tokens} that "
+                         f"exceeds the model's context length {context_length}; lower it or shorten the prompts")
 
 
 def load_rows(task: str, split: str, data_path: str, train_size: int, test_size: int, seed: int) -> list[dict]:
@@ -293,7 +336,11 @@ def load_rows(task: str, split: str, data_path: str, train_size: int, test_size:
         return [{"target": "a"}] * (test_size if split == "test" else train_size)
     import datasets  # only the downloaded tasks need it
     path = data_path or DATASETS[task]  # a local folder: datasets reads the splits from the file names
-    return list(datasets.load_dataset(path, "main" if path == DATASETS["gsm8k"] else None, split=split))
+    try:
+        return list(datasets.load_dataset(path, "main" if path == DATASETS["gsm8k"] else None, split=split))
+    except (ValueError, FileNotFoundError) as error:  # no such split, no such folder or dataset
+        raise SystemExit(f"--data_path {path}: no {split} split ({str(error).splitlines()[0][:200]}): give a folder "
+                         f"with {split}.jsonl or {split}.parquet")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,34 +1,32 @@
-"""GRPO for Qwen models (Qwen2, Qwen2.5, Qwen3) and Llama-architecture ones in one file.
-
-One step: sample G completions per prompt from the rollout engine, score them with reward.reward_fn, normalise
-rewards within each group into advantages, take clipped policy-gradient steps on the policy (FSDP2 over "dp",
-DTensor tensor parallelism over "tp"), and push the new weights into the engine. GRPO, Dr. GRPO and DAPO are flag
-settings (README); logprobs are of logits / temperature, as the engine samples. Every flag is a field of `Config`.
+"""GRPO for Qwen and Llama-architecture models in one file: G completions per prompt from the engine, rewards, group
+advantages, clipped policy-gradient steps (FSDP2 over "dp", TP over "tp"), weights pushed back. Flags: Config.
     torchrun --standalone --nproc_per_node=2 train.py --preset cpu   # CPU demo: tiny random model, toy task
     torchrun --nproc_per_node=8 train.py --tp 2                       # GPU: Countdown, Qwen2.5-3B-Instruct
-Edit two places: `PromptDataset.__getitem__` below (what a prompt is and what the reward needs) and `reward_fn` in
-reward.py (how a completion is scored; the tasks' data and prompt texts live there too).
+Edit `PromptDataset.__getitem__` below (what a prompt is) and `reward_fn` in reward.py (how a completion scores).
 """
+import contextlib
 import datetime
 import functools
 import glob
 import importlib.util
 import json
+import logging
 import math
 import os
 import pathlib
 import shutil
 import signal
-import string
+import textwrap
 import threading
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 from huggingface_hub import snapshot_download
+from safetensors import safe_open
 from safetensors.torch import load_file
-import tokenizers
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -40,16 +38,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 import transformers
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser,
-                          PreTrainedTokenizerFast, Qwen2Config)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Qwen2Config
 
 import reward
 
 
-# ----------------------------------------------------------------------------- config
 @dataclass
 class Config:
-    # model, task and rollout
     model: str = "Qwen/Qwen2.5-3B-Instruct"  # hub id or local folder; "tiny": random tiny Qwen2 + character tokenizer
     task: Literal["countdown", "gsm8k", "math", "toy", "addition"] = "countdown"  # README: tasks and what to expect
     data_path: str = ""  # gsm8k / math: hub id or a local folder of train.* and test.* (jsonl / parquet); "": default
@@ -60,15 +55,13 @@ class Config:
     engine: Literal["sglang", "hf"] = "sglang" if torch.cuda.is_available() else "hf"  # hf: HF generate (CPU)
     mem_fraction: float = 0.5  # sglang: fraction of the GPU's free memory at start for its weights and KV cache
     engine_port: int = 30000  # sglang: each TP group's engine uses engine_port + its first rank's local rank
-    keep_engine_memory: bool = False  # sglang: keep weights and KV cache resident while training (debugging)
     bucket_mb: int = 512  # weight push: MB of full bf16 tensors gathered and sent at a time
     prompts_per_step: int = 32  # prompts per optimizer step, over all ranks
     group_size: int = 8  # G: samples per prompt
     max_new_tokens: int = 1024  # response length limit
     temperature: float = 1.0
     top_p: float = 1.0
-    # loss (README has the settings of GRPO, Dr. GRPO and DAPO)
-    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
+    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low (README: the settings of GRPO, Dr. GRPO and DAPO)
     clip_high: float = 0.28  # and above at 1 + clip_high (clip-higher, DAPO)
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's one ratio per response (README: recipe)
     objective: Literal["clip", "cispo"] = "clip"  # cispo: a clipped, detached ratio weights every token's log p
@@ -84,7 +77,6 @@ class Config:
     is_mode: Literal["truncate", "mask"] = "truncate"  # with --tis_cap: weight min(r, cap), or 0 outside [1/cap, cap]
     is_level: Literal["token", "sequence"] = "token"  # with --tis_cap: r per token, or its response's geometric mean
     logprob_chunk: int = 1024  # response tokens per chunk of fp32 full-vocabulary logits
-    # optimisation, parallelism and memory
     steps: int = 200
     lr: float = 1e-6
     lr_schedule: Literal["constant", "cosine"] = "constant"  # cosine: down to 10% of lr at the last step
@@ -97,7 +89,6 @@ class Config:
     tp: int = 1  # tensor-parallel size; dp = world size / tp
     activation_checkpointing: bool = False
     ref_on_cpu: bool = False  # keep the reference model's shards in CPU memory between uses (GPU)
-    # evaluation, checkpoints, rewards, logging
     eval_every: int = 50  # evaluate on the held-out split every N steps and at the end; 0: never
     eval_prompts: int = 256  # held-out prompts per evaluation
     eval_k: int = 4  # samples per prompt for mean@k and pass@k
@@ -110,6 +101,7 @@ class Config:
     seed: int = 0
     out_dir: str = "runs/grpo"  # config.json, metrics.jsonl, checkpoints/ (layout in README)
     wandb_project: str = ""  # log to wandb too when set (WANDB_MODE=offline needs no network)
+    sample_every: int = 10  # print a sampled prompt, completion and reward every N steps (and log them); 0: never
 
 
 PRESETS = {"cpu": dict(model="tiny", task="toy", engine="hf", steps=30, prompts_per_step=8, group_size=8, lr=1e-2,
@@ -130,7 +122,8 @@ def check_config(cfg, world):
     """Catch bad flags before any model is loaded, one at a time; each message names the flag to change."""
     minimum = dict(tp=1, prompts_per_step=1, group_size=2, num_minibatches=1, micro_batch_size=1, max_new_tokens=1,
                    eval_k=1, logprob_chunk=1, reward_workers=1, beta=0, entropy_coef=0, tis_cap=0, overlong_buffer=0,
-                   dynamic_sampling_rounds=0, max_tokens_per_microbatch=0, eval_every=0, save_every=0)
+                   dynamic_sampling_rounds=0, max_tokens_per_microbatch=0, eval_every=0, save_every=0, lr=0, steps=1,
+                   keep_checkpoints=1, sample_every=0, reward_timeout=0.001)
     for field, low in minimum.items():
         if getattr(cfg, field) < low:
             raise SystemExit(f"--{field} must be at least {low}, not {getattr(cfg, field)}")
@@ -141,8 +134,7 @@ def check_config(cfg, world):
         raise SystemExit(f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp}")
     samples_per_rank = cfg.prompts_per_step // dp * cfg.group_size
     if samples_per_rank % cfg.num_minibatches:
-        raise SystemExit(f"--num_minibatches {cfg.num_minibatches} must divide the {samples_per_rank} samples per "
-                         "rank (prompts / dp * G)")
+        raise SystemExit(f"--num_minibatches {cfg.num_minibatches} must divide the {samples_per_rank} samples a rank")
     if cfg.kl_in_reward and cfg.beta == 0:
         raise SystemExit("--kl_in_reward needs --beta above 0: beta scales the KL penalty")
     if cfg.overlong_buffer > cfg.max_new_tokens:
@@ -150,26 +142,26 @@ def check_config(cfg, world):
     if (cfg.is_mode, cfg.is_level) != ("truncate", "token") and cfg.tis_cap <= 1:
         raise SystemExit("--is_mode and --is_level act through --tis_cap: set it above 1, the bound on the ratio")
     if cfg.engine == "sglang":
-        if importlib.util.find_spec("sglang") is None:
-            raise SystemExit("--engine sglang needs SGLang: pip install -r requirements.txt (sglang==0.5.23), "
-                             "or use --engine hf")
         if not torch.cuda.is_available():
             raise SystemExit("--engine sglang needs a CUDA GPU: use --engine hf here")
+        if importlib.util.find_spec("sglang") is None:
+            raise SystemExit("--engine sglang needs SGLang (pip install -r requirements.txt), or use --engine hf")
         if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) % cfg.tp:
             raise SystemExit(f"--tp {cfg.tp} must divide the GPUs per node: an engine's TP group lives on one node")
 
 
-# ----------------------------------------------------------------------------- data
 class PromptDataset(torch.utils.data.Dataset):
     """Prompts of one task. Edit __getitem__ to change what a prompt says or to add a task."""
-
     def __init__(self, cfg, split):
         self.task = cfg.task
         self.rows = reward.load_rows(cfg.task, split, cfg.data_path, cfg.train_size, cfg.test_size, cfg.seed)
-        if len(self.rows) < (cfg.prompts_per_step if split == "train" else 1):
-            raise SystemExit(f"the {split} split has {len(self.rows)} rows, fewer than a step's "
-                             f"--prompts_per_step {cfg.prompts_per_step}: check --task, --data_path, --train_size")
-        reward.check_item(self[0], split)
+        least = cfg.prompts_per_step if split == "train" else 1  # a step's prompts; an evaluation's
+        if len(self.rows) < least:
+            raise SystemExit(f"the {split} split has {len(self.rows)} rows, fewer than {least} (--prompts_per_step for "
+                             "train): check --task, --data_path, --train_size, --test_size (or --eval_every 0)")
+        warning = reward.check_items([self[i] for i in range(len(self))], split)  # stops on what cannot work
+        if warning and int(os.environ.get("RANK", 0)) == 0:
+            print(warning, flush=True)
 
     def __len__(self):
         return len(self.rows)
@@ -190,23 +182,16 @@ class PromptDataset(torch.utils.data.Dataset):
         return {"prompt": [{"role": "user", "content": content}], "task": self.task, **fields}
 
 
-def check_prompt_lengths(items, tokenizer, cfg, context_length):
-    """The longest prompt plus --max_new_tokens must fit the model's context: SGLang fails a whole batch otherwise."""
-    longest = max(len(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items)
-    if longest + cfg.max_new_tokens > context_length:
-        raise SystemExit(f"the longest prompt has {longest} tokens: with --max_new_tokens {cfg.max_new_tokens} that "
-                         f"exceeds the model's context length {context_length}; lower it or shorten the prompts")
-
-
-def char_tokenizer():
-    """A character-level tokenizer with Qwen's special tokens, for the tiny CPU model: nothing to download."""
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {token: i for i, token in enumerate(specials + sorted(set(string.printable)))}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), "isolated")
-    tok.decoder = tokenizers.decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
+def load_tokenizer_and_config(cfg):
+    """--model's tokenizer and config; for "tiny", the character tokenizer and TINY_MODEL with its stop and pad ids."""
+    if cfg.model == "tiny":
+        tokenizer = reward.char_tokenizer()
+        return tokenizer, Qwen2Config(vocab_size=len(tokenizer), eos_token_id=reward.stop_token_ids(tokenizer),
+                                      pad_token_id=tokenizer.pad_token_id, **TINY_MODEL)
+    try:
+        return AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model)
+    except OSError as error:  # a name that is no folder here is looked up on the hub
+        raise SystemExit(f"--model {cfg.model}: no such folder, and the hub: {str(error).splitlines()[0]}")
 
 
 def step_rows(dataset, step, cfg, dp_rank, dp, sampling_round=0):
@@ -234,19 +219,15 @@ class Sample:
     ref_logprobs: torch.Tensor | None = None  # the reference model's (--beta > 0)
 
 
-# ----------------------------------------------------------------------------- model and mesh
 TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,  # --model tiny
                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
                   architectures=["Qwen2ForCausalLM"])  # SGLang needs architectures
 
 # q/k/v and gate/up split their output features over tp, o and down their input: one all-reduce per block each way.
-TP_PLAN = {
-    "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-    "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
-}
-# Qwen3 normalises each head of q and k. A rank holds only its heads (dim 2 of [B, T, heads, head_dim]), so the
-# norms' weights become replicated DTensors: their gradient, partial on each rank, is summed over tp in backward.
+TP_PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+           "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+           "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+# Qwen3's per-head q/k norms see a rank's heads only (dim 2): replicated weights, gradients summed over tp in backward.
 QK_NORM_PLAN = {"self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
                 "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
 
@@ -263,8 +244,7 @@ def parallelize(model, mesh, activation_checkpointing, offload=False):
             parallelize_module(layer, mesh["tp"], {**TP_PLAN, **qk_norm})
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # bf16 compute, fp32 master weights and reductions on GPU; fp32 on CPU. Offloaded shards live in host memory.
-    on_gpu = mesh.device_type == "cuda"
+    on_gpu = mesh.device_type == "cuda"  # GPU: bf16 compute, fp32 master weights and reductions; CPU: fp32
     options = dict(mesh=mesh["dp"], offload_policy=CPUOffloadPolicy(pin_memory=on_gpu) if offload else OffloadPolicy(),
                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_gpu else None,
                                                   reduce_dtype=torch.float32))
@@ -284,16 +264,24 @@ def build_model(model_config, mesh, device, activation_checkpointing=False, offl
     return model
 
 
+def weight_files(cfg):
+    """On rank 0: --model's model*.safetensors files (a hub id is downloaded), each checked to be whole."""
+    folder = cfg.model if os.path.isdir(cfg.model) else snapshot_download(cfg.model, allow_patterns="*.safetensors")
+    files = sorted(glob.glob(os.path.join(folder, "model*.safetensors")))
+    for file in files:
+        try:
+            safe_open(file, "pt")  # reads the header, which must cover the whole file
+        except Exception as error:  # a truncated download, a full disk at save time
+            raise SystemExit(f"--model: {file} cannot be read ({error}): download or save it again")
+    return files
+
+
 def load_weights(models, cfg, model_config):
-    """--model's weights into the sharded models, a safetensors file at a time: rank 0 reads, every rank keeps its
-    shards, so host memory per rank holds one file at most, whatever the world size."""
-    files = [None]  # --model tiny: one part, random weights seeded with --seed
-    if dist.get_rank() == 0 and cfg.model != "tiny":
-        folder = cfg.model if os.path.isdir(cfg.model) else snapshot_download(cfg.model, allow_patterns="*.safetensors")
-        files = sorted(glob.glob(os.path.join(folder, "model*.safetensors")))
+    """--model's weights into the sharded models a file at a time (rank 0 reads): host memory holds one file at most."""
+    files = weight_files(cfg) if dist.get_rank() == 0 and cfg.model != "tiny" else [None]
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     loaded = set()
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # --model tiny: one part (None), random weights seeded with --seed
     for part in on_first_rank(lambda: files):
         state = {}
         if dist.get_rank() == 0:
@@ -309,22 +297,17 @@ def load_weights(models, cfg, model_config):
 
 
 def on_first_rank(work, group=None):
-    """work() on the group's first rank (default: rank 0), sent to the others: one answer for all (a reward timeout
-    seen by one tp rank only would let the tp ranks' weights drift apart)."""
+    """work() on the group's first rank (default 0), sent to all: one answer, so tp ranks' weights can't drift apart."""
     group = group or dist.group.WORLD
     box = [work() if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
 
 
-# ----------------------------------------------------------------------------- engine
 class HFEngine:
-    """Rollouts with HF generate on an unsharded copy of the policy. As SGLangEngine: generate() gives a Sample per
-    prompt; update_weights() takes buckets of (HF name, full tensor)."""
-
+    """HF generate on an unsharded policy copy; as SGLangEngine, a Sample per prompt and (name, tensor) buckets in."""
     def __init__(self, model_config, device, pad_id):
         self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).to(device).eval()
-        self.model.generation_config = GenerationConfig()  # no sampling defaults (top_k=50) sneak in
         self.pad_id = pad_id
 
     def update_weights(self, buckets):
@@ -336,12 +319,12 @@ class HFEngine:
         longest, device = max(map(len, prompts)), self.model.device
         ids = torch.tensor([[self.pad_id] * (longest - len(p)) + p for p in prompts], device=device)  # left-padded
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
         with torch.random.fork_rng(devices=[]):  # seeded sampling that leaves the global RNG alone
             torch.manual_seed(seed)
-            out = self.model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=temperature > 0, temperature=temperature or None,
-                top_p=top_p, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
-                pad_token_id=self.pad_id, return_dict_in_generate=True, output_logits=True)
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                      eos_token_id=stop_ids, pad_token_id=self.pad_id, return_dict_in_generate=True,
+                                      output_logits=True, **sampling)
         logprobs = torch.log_softmax(torch.stack(out.logits, 1).float() / (temperature or 1.0), -1)  # [N, T, V]
         samples = []
         for prompt, seq, token_logprobs in zip(prompts, out.sequences[:, longest:].tolist(), logprobs):
@@ -352,14 +335,11 @@ class HFEngine:
 
 
 class SGLangEngine:
-    """Rollouts from an in-process SGLang engine: one per TP group of the trainer, on the same GPUs, created by
-    the group's first rank. Weights arrive as flattened bf16 buckets through CUDA IPC, never through disk."""
-
+    """In-process SGLang, one per trainer TP group on its GPUs; weights come as bf16 buckets by CUDA IPC, not disk."""
     def __init__(self, cfg, model_config):
         import sglang
         rank, base_gpu_id = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))  # TP group's first
-        # Under torchrun the engine's schedulers would join torchrun's store as clients and hang at start.
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # or its schedulers hang joining torchrun's store
         config_dir = os.path.join(cfg.out_dir, f"engine_model_rank{rank}")  # read from disk by SGLang
         model_config.save_pretrained(config_dir)
         # The engine's processes inherit ignored SIGINT / SIGTERM: torchrun's signals are the trainer's to act on.
@@ -374,15 +354,14 @@ class SGLangEngine:
         self.engine.generate(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
         self.released = False
 
-    def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):
-        # SGLang samples from its schedulers' RNG, seeded once with --seed; `seed` only steers the hf engine.
+    def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):  # seed: hf only; SGLang: --seed
         params = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
         outputs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         return [Sample(prompt_ids=prompt, response_ids=out["output_ids"],
                        engine_logprobs=torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]))
                 for prompt, out in zip(prompts, outputs)]
 
-    def release_memory(self):
+    def release_memory(self):  # after each rollout: the training phase gets the engine's weights and KV cache memory
         self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
         self.released = True
 
@@ -418,8 +397,7 @@ def free_gpu_cache(group):
 
 
 def check_pushed_names(model, model_config):
-    """The names and full shapes the trainer pushes must be those of the model class SGLang builds from config.json's
-    `architectures`: it skips an unknown name silently, keeps random weights where none comes, dies on a shape."""
+    """Pushed names and shapes must be those of SGLang's `architectures` class: it skips unknown names silently."""
     architecture = (model_config.architectures or [""])[0]
     if not hasattr(transformers, architecture):
         raise SystemExit(f"`architectures` in --model's config.json is {architecture!r}: no class of transformers")
@@ -433,8 +411,7 @@ def check_pushed_names(model, model_config):
 
 
 def weight_buckets(model, bucket_bytes, dtype, tp_group):
-    """Full tensors with HF names in buckets of about bucket_bytes, gathered a parameter at a time. Every rank runs
-    this to the end: each full_tensor() is a collective, and the cache is freed before the KV cache comes back."""
+    """Full HF-named tensors in ~bucket_bytes buckets; every rank runs to the end (full_tensor() is a collective)."""
     bucket, size = [], 0
     for name, param in model.named_parameters():
         full = (param.full_tensor() if isinstance(param, DTensor) else param).detach().to(dtype)
@@ -445,12 +422,11 @@ def weight_buckets(model, bucket_bytes, dtype, tp_group):
             bucket, size = [], 0
     if bucket:
         yield bucket
-    free_gpu_cache(tp_group)
+    free_gpu_cache(tp_group)  # before the engine's KV cache comes back
 
 
 def sglang_payloads(buckets, tp_group):
-    """Per bucket, a serialized copy for each engine TP rank, gathered on the group's first rank (None elsewhere):
-    trainer rank i, on engine TP rank i's GPU, sends the CUDA IPC handles of its own copy (as sglang's weight_sync)."""
+    """Per bucket, each tp rank's CUDA IPC handles of its own copy, gathered on the group's first rank (else None)."""
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
@@ -481,7 +457,6 @@ def push_weights(model, engine, cfg, tp_group):
         torch.cuda.ipc_collect()  # free the buckets whose IPC handles the engine has released
 
 
-# ----------------------------------------------------------------------------- rollouts and rewards
 def generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, seed, tp_group, n, temperature):
     """n scored samples per prompt from this tp group's engine; the tracebacks of failed reward_fn calls."""
     prompts = [reward.encode_prompt(tokenizer, row["prompt"], cfg.plain_template) for row in rows for _ in range(n)]
@@ -491,16 +466,14 @@ def generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, seed, tp_gro
     completions = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     items = [row for row in rows for _ in range(n)]
     scores, errors = on_first_rank(lambda: reward_workers.score(completions, items), tp_group)
-    for sample, value in zip(samples, scores):
+    for sample, value in zip(samples, scores):  # truncated: by the last token, as SGLang versions differ at the limit
         sample.score = value
-        # Decided from the last token, the same for every engine (SGLang versions disagree on a stop at the limit).
         sample.truncated = not sample.response_ids or sample.response_ids[-1] not in stop_ids
     return samples, errors
 
 
 def collect_rollouts(engine, reward_workers, dataset, tokenizer, cfg, step, mesh):
-    """G samples per prompt with their reward (score + overlong penalty), reward_fn's tracebacks, and the groups
-    dropped: dynamic sampling drops groups of equal scores (no gradient) and samples more rounds of prompts."""
+    """G samples per prompt with reward, tracebacks, groups dropped (dynamic sampling: equal scores, so more rounds)."""
     dp_rank, dp, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["tp"].get_group()
     kept, dropped, errors = [], [], []
     for sampling_round in range(cfg.dynamic_sampling_rounds + 1):
@@ -521,7 +494,6 @@ def collect_rollouts(engine, reward_workers, dataset, tokenizer, cfg, step, mesh
     return [s for group in kept[:len(rows)] + filled for s in group], errors, len(dropped) - len(filled)
 
 
-# ----------------------------------------------------------------------------- advantages
 def group_advantages(rewards, group_size, scale_std=True, eps=1e-6):
     """(r - group mean) / (group std + eps), std unbiased as in GRPO; without the division for Dr. GRPO."""
     r = rewards.view(-1, group_size).double()
@@ -532,8 +504,7 @@ def group_advantages(rewards, group_size, scale_std=True, eps=1e-6):
 
 
 def set_advantages(samples, cfg):
-    """Each sample's advantage from the rewards of its group. --kl_in_reward subtracts beta x its summed KL to the
-    reference, centred in the group but not divided by the group's std (that would cancel beta in flat groups)."""
+    """Group advantages; --kl_in_reward subtracts beta x summed KL, centred, not std-scaled (that would cancel beta)."""
     advantages = group_advantages(torch.tensor([s.reward for s in samples]), cfg.group_size, cfg.scale_std)
     if cfg.kl_in_reward:
         kl = torch.stack([KL_ESTIMATORS[cfg.kl_estimator](s.old_logprobs - s.ref_logprobs).sum() for s in samples])
@@ -542,10 +513,8 @@ def set_advantages(samples, cfg):
         sample.advantage = advantage
 
 
-# ----------------------------------------------------------------------------- logprobs and entropy
 def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
-    """Per token: log p(target) and the entropy of softmax(hidden @ weight.T / temperature). weight is sharded over
-    tp by vocabulary: each rank makes its slice's logits and the softmax's sums are added over tp."""
+    """Per token: log p(target), entropy of softmax(hidden @ weight.T / T); weight sharded over tp by vocabulary."""
     def sum_over_tp(x):  # all-reduce in forward, identity in backward: every tp rank computes the same loss from it
         return DTensor.from_local(x, tp_mesh, [Partial()]).full_tensor()
     logits = (hidden @ weight.T).to_local().float() / temperature  # [C, V / tp] in fp32: bf16 loses ~3 digits
@@ -562,8 +531,7 @@ def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
 
 
 def response_logprobs(model, samples, cfg, tp_mesh, pad_id):
-    """Log-probs and entropies of the response tokens, joined over the samples [N_tokens]. lm_head takes chunks of
-    --logprob_chunk tokens, each recomputed in backward: one chunk's fp32 logits (and temporaries) live at a time."""
+    """Response log-probs and entropies [N]; lm_head per --logprob_chunk, recomputed: one chunk's logits at a time."""
     seqs, device = [s.prompt_ids + s.response_ids for s in samples], torch.device(tp_mesh.device_type)
     longest = max(map(len, seqs))
     ids = torch.tensor([q + [pad_id] * (longest - len(q)) for q in seqs], device=device)  # right-padded
@@ -573,20 +541,17 @@ def response_logprobs(model, samples, cfg, tp_mesh, pad_id):
     last = out.hidden_states[-1]  # the final norm's output [B, T, H]; position t predicts token t + 1
     hidden = torch.cat([last[b, len(s.prompt_ids) - 1:len(seqs[b]) - 1] for b, s in enumerate(samples)])
     targets = torch.tensor([t for s in samples for t in s.response_ids], device=device)
-    # lm_head is a root parameter, left unsharded by FSDP after the root forward until backward. As DTensors,
-    # backward gathers the vocabulary slices' gradients over tp, and sums hidden's.
+    # lm_head, a root parameter, stays unsharded until backward; as DTensors, backward gathers its grad, sums hidden's.
     weight = DTensor.from_local(model.lm_head.weight, tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(0)])
     hidden = DTensor.from_local(hidden, tp_mesh, [Replicate()])
-    compute = logprobs_and_entropy
-    if torch.is_grad_enabled():
-        compute = functools.partial(checkpoint, logprobs_and_entropy, use_reentrant=False)
+    compute = (functools.partial(checkpoint, logprobs_and_entropy, use_reentrant=False) if torch.is_grad_enabled()
+               else logprobs_and_entropy)
     parts = [compute(hidden[start:start + cfg.logprob_chunk], weight, targets[start:start + cfg.logprob_chunk],
                      cfg.temperature or 1.0, tp_mesh) for start in range(0, len(targets), cfg.logprob_chunk)]
     logp, entropy = zip(*parts)
     return torch.cat(logp), torch.cat(entropy)
 
 
-# ----------------------------------------------------------------------------- loss
 # KL(policy || reference) per sampled token from log_ratio = log p - log p_ref (Schulman 2020); GRPO uses k3.
 KL_ESTIMATORS = {"k1": lambda log_ratio: log_ratio, "k2": lambda log_ratio: log_ratio ** 2 / 2,
                  "k3": lambda log_ratio: torch.expm1(-log_ratio) + log_ratio}
@@ -598,11 +563,8 @@ def response_means(x, lengths):
     return x.new_zeros(len(lengths)).index_add(0, index, x) / lengths
 
 
-def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy=None, is_weights=None,
-                lengths=None):
-    """The policy-gradient term per response token [N] (clipped surrogate, or CISPO's), scaled by `is_weights`
-    (engine mismatch), plus beta x KL unless --kl_in_reward, minus the entropy bonus, summed with `weights`; and
-    metric sums over the tokens (tensors: no device sync per micro-batch). `lengths`: tokens of each response."""
+def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy=None, is_weights=None, lengths=None):
+    """Per-token PG term (clip or CISPO) x is_weights, + beta KL, - entropy bonus, summed with weights; metric sums."""
     log_ratio = logp - old_logp
     if cfg.ratio_level == "sequence":  # GSPO-token: value s_i = exp(response mean of log ratio), gradient s_i x d log p
         log_ratio = response_means(log_ratio, lengths).repeat_interleave(lengths).detach() + logp - logp.detach()
@@ -617,24 +579,20 @@ def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy
         clip_mask = clipped < unclipped
     if is_weights is not None:
         per_token = per_token * is_weights
-    zero = logp.new_zeros(())
-    metrics = {"clip_frac": clip_mask.sum(), "kl": zero, "entropy": zero}
+    metrics = {"clip_frac": clip_mask.sum(), "kl": logp.new_zeros(()), "entropy": logp.new_zeros(())}
     if ref_logp is not None:
         kl = KL_ESTIMATORS[cfg.kl_estimator](logp - ref_logp)
         metrics["kl"] = kl.detach().sum()
         if not cfg.kl_in_reward:
             per_token = per_token + cfg.beta * kl
-    if entropy is not None:
+    if entropy is not None:  # in the graph even at coef 0: backward then frees each chunk's recomputed logits
         metrics["entropy"] = entropy.detach().sum()
-        # Always in the graph, times 0 by default: each chunk's recomputed logits are freed once backward used them.
         per_token = per_token - cfg.entropy_coef * entropy
     return (per_token * weights).sum(), metrics
 
 
 def engine_mismatch(trainer_logp, engine_logp, cfg, lengths):
-    """Weights against the engine / trainer mismatch r = p_trainer / p_engine (per token, or its response's geometric
-    mean): min(r, --tis_cap), or 1 inside [1 / cap, cap] and 0 outside; None at cap 0. And sums of |log r|, of k3
-    KL(engine || trainer) (a stale or wrong weight push shows here) and of the tokens and responses masked."""
+    """IS weights, r = p_trainer / p_engine (None at --tis_cap 0); sums of |log r|, k3 KL (bad pushes show), masks."""
     log_ratio = trainer_logp - engine_logp
     sums = {"mismatch_abs": log_ratio.abs().sum(), "mismatch_kl": KL_ESTIMATORS["k3"](-log_ratio).sum(),
             "is_masked_tokens": 0, "is_masked_responses": 0}
@@ -651,12 +609,10 @@ def engine_mismatch(trainer_logp, engine_logp, cfg, lengths):
 
 
 def set_loss_weights(samples, cfg, dp_group):
-    """Each sample's per-token loss_weight, by --loss_agg, from counts over all ranks (so any micro-batches sum to
-    the mini-batch's gradient), times dp (FSDP averages gradients over dp)."""
+    """Per-token loss_weight by --loss_agg, from counts over all ranks, times dp (FSDP averages gradients over dp)."""
     counts = torch.tensor([sum(len(s.response_ids) for s in samples), len(samples)], dtype=torch.float64)
     dist.all_reduce(counts, group=dp_group)  # response tokens and sequences of the whole mini-batch
-    tokens, sequences = counts.tolist()
-    dp = dist.get_world_size(dp_group)
+    (tokens, sequences), dp = counts.tolist(), dist.get_world_size(dp_group)
     for s in samples:
         if cfg.loss_agg == "sequence":  # each sequence's token mean, then the mean over sequences (GRPO)
             s.loss_weight = dp / (max(len(s.response_ids), 1) * sequences)
@@ -664,10 +620,8 @@ def set_loss_weights(samples, cfg, dp_group):
             s.loss_weight = dp / (tokens if cfg.loss_agg == "token" else cfg.max_new_tokens * sequences)
 
 
-# ----------------------------------------------------------------------------- update
 def clip_grad_norm(model, max_norm):
-    """The global grad norm, gradients scaled to at most max_norm (left alone if it is not finite). A norm per mesh,
-    combined: torch's clip_grad_norm_ cannot mix DTensors of the dp mesh and of the (dp, tp) mesh."""
+    """Global grad norm, clipped to max_norm if finite; a norm per mesh (clip_grad_norm_ can't mix dp and (dp, tp))."""
     by_mesh = defaultdict(list)
     for param in model.parameters():
         if param.grad is not None:
@@ -681,8 +635,7 @@ def clip_grad_norm(model, max_norm):
 
 
 def micro_batches(samples, cfg):
-    """--micro_batch_size sequences each, or length-sorted ones packed while count x longest fits in
-    --max_tokens_per_microbatch; each rank runs as many (forwards are collectives): the largest are halved."""
+    """--micro_batch_size each, or packed to --max_tokens_per_microbatch; equal count on all ranks (collectives)."""
     if cfg.max_tokens_per_microbatch == 0:
         return [samples[i:i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
     batches, longest = [], 0  # longest: the length of the last micro-batch's first sequence
@@ -710,8 +663,7 @@ def store_logprobs(model, samples, field, cfg, mesh, pad_id):
 
 
 def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id):
-    """--num_minibatches optimizer steps; metric sums over this rank's tokens. The ratio's denominator is the
-    sampling policy: the first mini-batch's own logprobs (detached), the later ones' old_logprobs."""
+    """--num_minibatches optimizer steps; ratio vs own detached log-probs (first mini-batch) or old_logprobs."""
     sums = defaultdict(float)  # every rank runs as many micro-batches, so it adds the same keys in the same order
     per_minibatch, device = len(samples) // cfg.num_minibatches, model.device
     for start in range(0, len(samples), per_minibatch):
@@ -722,14 +674,13 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id):
             old_logp = logp.detach() if start == 0 else torch.cat([s.old_logprobs for s in batch]).to(device)
             lengths = torch.tensor([len(s.response_ids) for s in batch], device=device)
             advantages = torch.tensor([s.advantage for s in batch], device=device).repeat_interleave(lengths)
-            loss_weights = torch.tensor([s.loss_weight for s in batch], device=device).repeat_interleave(lengths)
+            weights = torch.tensor([s.loss_weight for s in batch], device=device).repeat_interleave(lengths)
             engine_logp = torch.cat([s.engine_logprobs for s in batch]).to(device)
             is_weights, mismatch = engine_mismatch(old_logp, engine_logp, cfg, lengths)
             ref_logp = torch.cat([s.ref_logprobs for s in batch]).to(device) if cfg.beta > 0 else None
-            loss, metrics = policy_loss(logp, old_logp, advantages, loss_weights, cfg, ref_logp, entropy, is_weights,
-                                        lengths)
+            loss, stats = policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp, entropy, is_weights, lengths)
             loss.backward()
-            for key, value in {**metrics, **mismatch, "tokens": len(logp)}.items():
+            for key, value in {**stats, **mismatch, "tokens": len(logp)}.items():
                 sums[key] += value
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
         if math.isfinite(grad_norm):  # a step with a non-finite norm is skipped, and counted
@@ -748,10 +699,8 @@ def lr_factor(step, cfg):
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# ----------------------------------------------------------------------------- logging
 def reduce_over_ranks(sums, maxes, mesh):
-    """Sums and maxima over all ranks, in the same key order on each (a few numbers: gloo); the tp ranks of one dp
-    group hold the same values, so sums count once."""
+    """Sums and maxima over all ranks, same key order on each (gloo); tp ranks hold the same values: sums count once."""
     total = torch.tensor([float(v) for v in sums.values()], dtype=torch.float64)
     dist.all_reduce(total)
     top = torch.tensor([float(v) for v in maxes.values()], dtype=torch.float64)
@@ -760,35 +709,38 @@ def reduce_over_ranks(sums, maxes, mesh):
 
 
 def step_metrics(samples, train_sums, errors, dropped, times, stop_requested, lr, mesh):
-    """The step's numbers over all ranks, as logged (means over samples or response tokens, maxima, counts), and
-    whether any rank was asked to stop."""
+    """The step's numbers over all ranks, as logged (means, maxima, counts), and whether any rank was asked to stop."""
     lengths, scores = [len(s.response_ids) for s in samples], [s.score for s in samples]
     sums = dict(train_sums, reward=sum(scores), accuracy=sum(x >= 1 for x in scores), samples=len(samples),
                 response_len=sum(lengths), truncated=sum(s.truncated for s in samples), reward_errors=len(errors),
                 groups_dropped=dropped)
     maxes = {"response_len_max": max(lengths), "grad_norm": sums.pop("grad_norm"),
-             "skipped_steps": sums.pop("skipped_steps"), **times, "stop": float(stop_requested)}
+             "skipped_steps": sums.pop("skipped_steps"), "stop": float(stop_requested)}
     sums, maxes = reduce_over_ranks(sums, maxes, mesh)
     stopping = maxes.pop("stop") > 0  # a signal seen by any rank stops all of them after this step
     per_sample_keys = ("reward", "accuracy", "response_len", "truncated", "is_masked_responses")
     metrics = {k: sums[k] / sums["samples"] for k in per_sample_keys}
     per_token_keys = ("entropy", "kl", "clip_frac", "mismatch_abs", "mismatch_kl", "is_masked_tokens")
     metrics.update({k: sums[k] / max(sums["tokens"], 1) for k in per_token_keys}, **maxes)
-    metrics.update(reward_errors=sums["reward_errors"], groups_dropped=sums["groups_dropped"], lr=lr,
-                   tokens_per_s=sums["response_len"] / maxes["time_step"])
+    metrics.update(times, reward_errors=sums["reward_errors"], groups_dropped=sums["groups_dropped"], lr=lr,
+                   tokens_per_s=sums["response_len"] / times["time_step"])  # times: this rank's, total and parts
     return metrics, stopping
 
 
-def open_run_dir(cfg, resumed_from, start_step, wandb_id):
-    """On rank 0: out_dir with config.json, the config printed, metrics.jsonl cut back to the resumed step (the
-    later steps run again), and the wandb run (None without --wandb_project)."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    config_text = json.dumps(asdict(cfg), indent=1)
-    print(config_text + (f"\nresumed from {resumed_from} at step {start_step}" if resumed_from else ""), flush=True)
-    pathlib.Path(cfg.out_dir, "config.json").write_text(config_text)
+def write_config(cfg):
+    """On rank 0, at once: the config on the console and in out_dir/config.json."""
+    print(textwrap.fill(" ".join(f"{k}={v}" for k, v in asdict(cfg).items()), 120), flush=True)
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        pathlib.Path(cfg.out_dir, "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    except OSError as error:  # the other ranks stop with it: torchrun ends every rank when one fails
+        raise SystemExit(f"--out_dir {cfg.out_dir}: cannot write there ({error.strerror}): choose another folder")
+
+
+def open_run_dir(cfg, start_step, wandb_id):
+    """On rank 0: metrics.jsonl cut back to the resumed step, and the wandb run (None without --wandb_project)."""
     metrics = pathlib.Path(cfg.out_dir, "metrics.jsonl")
-    metrics.touch()
-    lines = metrics.read_text().splitlines(keepends=True)  # a line torn by a crash mid-write has no newline
+    lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []  # a torn line has no newline
     metrics.write_text("".join(ln for ln in lines if ln.endswith("\n") and json.loads(ln)["step"] <= start_step))
     if not cfg.wandb_project:
         return None
@@ -797,13 +749,14 @@ def open_run_dir(cfg, resumed_from, start_step, wandb_id):
 
 
 def log_step(step, metrics, cfg, wandb_run):
-    """One line on the console, one JSON line in metrics.jsonl, and wandb, from the step's `metrics`."""
-    line = ("step {step}/{steps} | reward {reward:.3f} | acc {accuracy:.3f} | len {response_len:.1f} | "
-            "ent {entropy:.3f} | kl {kl:.4f} | clip {clip_frac:.3f} | gnorm {grad_norm:.3f} | lr {lr:.2e} | "
-            "mismatch {mismatch_abs:.2e} | {time_step:.2f}s (rollout {time_rollout:.2f} train {time_train:.2f} "
-            "push {time_push:.2f}) | {tokens_per_s:.0f} tok/s").format(step=step + 1, steps=cfg.steps, **metrics)
+    """One line on the console (every number is in metrics.jsonl), one JSON line in metrics.jsonl, and wandb."""
+    line = ("step {step}/{steps} | reward {reward:.3f} acc {accuracy:.2f} | len {response_len:.0f} | ent {entropy:.2f}"
+            " kl {kl:.4f} | {time_step:.1f}s (gen {time_rollout:.1f} train {time_train:.1f} push {time_push:.1f})"
+            " | eta {eta}").format(step=step + 1, steps=cfg.steps, **metrics,
+                                   eta=datetime.timedelta(seconds=round(metrics["eta_s"])))
+    problems = "".join(f" | {k} {metrics[k]:.0f}" for k in ("reward_errors", "skipped_steps") if metrics[k])  # not 0
     evals = " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_") and k != "eval_prompts")
-    print(line + (f"\n  eval ({metrics['eval_prompts']:.0f} prompts): {evals}" if evals else ""), flush=True)
+    print(line + problems + (f"\n  eval ({metrics['eval_prompts']:.0f} prompts): {evals}" if evals else ""), flush=True)
     finite = {k: v if math.isfinite(v) else None for k, v in metrics.items()}  # strict JSON: a NaN norm is null
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": step + 1, **finite}) + "\n")
@@ -811,16 +764,24 @@ def log_step(step, metrics, cfg, wandb_run):
         wandb_run.log(metrics, step=step + 1)
 
 
-# ----------------------------------------------------------------------------- eval
+def show_sample(step, sample, tokenizer, cfg, wandb_run):
+    """A sampled prompt and completion with its reward: on the console, and in a wandb table."""
+    row = dict(step=step + 1, prompt=tokenizer.decode(sample.prompt_ids),
+               completion=tokenizer.decode(sample.response_ids), reward=sample.reward)
+    print(f"  sample (reward {sample.reward:.3f}):\n{row['prompt']}{row['completion']}", flush=True)
+    if wandb_run is not None:
+        import wandb
+        wandb_run.log({"sample": wandb.Table(columns=list(row), data=[list(row.values())])}, step=step + 1)
+
+
 def evaluate(engine, tokenizer, test_set, reward_workers, cfg, mesh):
     """Greedy accuracy, mean@k and pass@k (of k samples at --eval_temperature) on --eval_prompts held-out prompts."""
     dp_rank, dp, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["tp"].get_group()
     rows = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
     sums = dict.fromkeys(("greedy", "mean_at_k", "pass_at_k", "prompts"), 0.0)
     if rows:
-        def solved(n, temperature):  # [len(rows), n]: reward 1.0
-            samples, _ = generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, cfg.seed, tp_group, n,
-                                           temperature)
+        def solved(n, temp):  # [len(rows), n]: reward 1.0
+            samples, _ = generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, cfg.seed, tp_group, n, temp)
             return torch.tensor([s.score for s in samples]).view(-1, n) >= 1
         sampled = solved(cfg.eval_k, cfg.eval_temperature)
         sums = {"greedy": solved(1, 0.0).sum().item(), "mean_at_k": sampled.float().mean(1).sum().item(),
@@ -831,27 +792,33 @@ def evaluate(engine, tokenizer, test_set, reward_workers, cfg, mesh):
             f"eval_pass@{cfg.eval_k}": sums["pass_at_k"] / n, "eval_prompts": n}
 
 
-# ----------------------------------------------------------------------------- checkpoint
 def save_checkpoint(cfg, step, model, optimizer, scheduler, tokenizer, wandb_id):
-    """out_dir/checkpoints/step_N: hf/, dcp/ (sharded model and optimizer), trainer_state.json (step, schedule, wandb
-    id); data and sampling are seeded by (--seed, step). Written as step_N.tmp, then renamed: crashes lose nothing."""
+    """checkpoints/step_N: hf/, dcp/, trainer_state.json (data and sampling are seeded by step); .tmp, then renamed."""
     rank, final = dist.get_rank(), os.path.join(cfg.out_dir, "checkpoints", f"step_{step:06d}")
     tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:  # config and safetensors files of 5 GB at most, which load_weights streams one at a time
-        model.save_pretrained(os.path.join(tmp, "hf"), state_dict=full, max_shard_size="5GB")
-        tokenizer.save_pretrained(os.path.join(tmp, "hf"))
-        state = {"step": step, "scheduler": scheduler.state_dict(), "wandb_id": wandb_id}
-        pathlib.Path(tmp, "trainer_state.json").write_text(json.dumps(state))
-        os.replace(tmp, final)
-        for old in complete_checkpoints(cfg.out_dir)[:-cfg.keep_checkpoints]:
-            shutil.rmtree(old)
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:  # config and safetensors files of 5 GB at most, which load_weights streams one at a time
+            model.save_pretrained(os.path.join(tmp, "hf"), state_dict=full, max_shard_size="5GB")
+            tokenizer.save_pretrained(os.path.join(tmp, "hf"))
+            for file in glob.glob(os.path.join(tmp, "hf", "*")):
+                os.chmod(file, 0o644)  # transformers writes the weights 0600; readable like the rest
+            state = {"step": step, "scheduler": scheduler.state_dict(), "wandb_id": wandb_id}
+            pathlib.Path(tmp, "trainer_state.json").write_text(json.dumps(state))
+            os.replace(tmp, final)
+            for old in complete_checkpoints(cfg.out_dir)[:-cfg.keep_checkpoints]:
+                shutil.rmtree(old)
+    except BaseException as error:  # a full disk (dcp raises a BaseException): no half-written folder is left
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f"saving {final} failed ({str(error).strip().splitlines()[-1][:300]}); removed {tmp}: free "
+                         "space under --out_dir, then --resume auto continues from the last checkpoint")
     dist.barrier()
     return final
 
@@ -861,9 +828,8 @@ def complete_checkpoints(out_dir):
     return sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_" + "[0-9]" * 6)))
 
 
-def resume(cfg, model, optimizer, scheduler):
-    """Restore what save_checkpoint wrote in the --resume folder ("auto": the newest complete one under out_dir, if
-    any); returns (folder, step, wandb id), with folder "" for a fresh start."""
+def resume_folder(cfg, model_config):
+    """The --resume folder ("auto": newest under out_dir; "": fresh), checked to be complete and shaped as --model."""
     found = complete_checkpoints(cfg.out_dir)
     path = (found[-1] if found else "") if cfg.resume == "auto" else cfg.resume
     if path and not os.path.isfile(os.path.join(path, "trainer_state.json")):
@@ -871,32 +837,55 @@ def resume(cfg, model, optimizer, scheduler):
     if found and not path:
         raise SystemExit(f"--out_dir {cfg.out_dir} holds checkpoints: --resume auto continues them, or use another")
     if not path:
-        return path, 0, None
+        return path
+    saved = AutoConfig.from_pretrained(os.path.join(path, "hf"))
+    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+        if getattr(saved, key, None) != getattr(model_config, key, None):
+            raise SystemExit(f"--resume {path}: a checkpoint of another model ({key} {getattr(saved, key, None)}, "
+                             f"--model's {getattr(model_config, key, None)}): pass the --model it was trained from")
+    return path
+
+
+def resume(path, model, optimizer, scheduler):
+    """Restore what save_checkpoint wrote in `path` ("": a fresh start); returns (step, wandb id)."""
+    if not path:
+        return 0, None
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer_state = json.loads(pathlib.Path(path, "trainer_state.json").read_text())
     scheduler.load_state_dict(trainer_state["scheduler"])
-    return path, trainer_state["step"], trainer_state["wandb_id"]
+    return trainer_state["step"], trainer_state["wandb_id"]
 
 
-def stop_on_signal():
-    """SIGTERM or Ctrl-C: finish the current step, save a checkpoint, exit. A second Ctrl-C exits at once."""
+def stop_on_signal(rank):
+    """SIGTERM or Ctrl-C: finish the step, save, exit; a second Ctrl-C exits at once (README: stopping a run)."""
     requested = threading.Event()
 
     def handler(signum, frame):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C raises KeyboardInterrupt
+        if rank == 0 and not requested.is_set():
+            print(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint", flush=True)
         requested.set()
-        print(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
     return requested
 
 
+@contextlib.contextmanager
+def announce(what, rank):
+    """On rank 0: what is being done, then how long it took."""
+    start = time.perf_counter()
+    if rank == 0:
+        print(f"{what}...", end=" ", flush=True)
+    yield
+    if rank == 0:
+        print(f"{time.perf_counter() - start:.1f}s", flush=True)
+
+
 def shut_down(engine, reward_workers, wandb_run):
-    """Reward workers and wandb first: SGLang's shutdown SIGKILLs every child of this process, and a pool worker
-    killed holding the pool's lock would hang its close forever, as wandb's killed service fails its finish()."""
+    """Reward workers and wandb first: SGLang's shutdown SIGKILLs every child, and wandb's killed service hangs."""
     try:
         reward_workers.close()
         if wandb_run is not None:
@@ -908,7 +897,6 @@ def shut_down(engine, reward_workers, wandb_run):
             engine.engine.shutdown()  # and its scheduler processes
 
 
-# ----------------------------------------------------------------------------- main
 def main():
     cfg = parse_config()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -919,41 +907,51 @@ def main():
     # gloo for objects and barriers: no NCCL kernel spins while an engine generates; the timeout covers its start.
     store = None if "MASTER_ADDR" in os.environ else dist.HashStore()  # `python train.py`: one process, no torchrun
     dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=rank, world_size=world, store=store,
-                            timeout=datetime.timedelta(hours=1))
-    check_config(cfg, world)
-    mesh = init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
-    tokenizer = char_tokenizer() if cfg.model == "tiny" else AutoTokenizer.from_pretrained(cfg.model)
-    train_set, test_set = PromptDataset(cfg, "train"), PromptDataset(cfg, "test")
-    tiny_config = Qwen2Config(vocab_size=len(tokenizer), **TINY_MODEL)
-    model_config = tiny_config if cfg.model == "tiny" else AutoConfig.from_pretrained(cfg.model)
-    check_prompt_lengths([*train_set, *test_set], tokenizer, cfg, model_config.max_position_embeddings)
-    model = build_model(model_config, mesh, device, cfg.activation_checkpointing)
-    ref_model = None
-    if cfg.beta > 0:  # frozen: its log-probs are only read
-        ref_model = build_model(model_config, mesh, device, offload=cfg.ref_on_cpu).requires_grad_(False)
-    load_weights([model, ref_model] if ref_model else [model], cfg, model_config)
-    # Before any forward: FSDP2 then leaves root parameters unsharded, and an optimizer would hold stale tensors.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, cfg=cfg))
-    resumed_from, start_step, wandb_id = resume(cfg, model, optimizer, scheduler)
-    wandb_run = open_run_dir(cfg, resumed_from, start_step, wandb_id) if rank == 0 else None
-    # Forked before the engine and the signal handlers exist. Rank 0 shows the first failed call's traceback.
-    reward_workers = reward.RewardWorkers(cfg.reward_workers, cfg.reward_timeout, show_first_error=rank == 0)
-    tp_group, pad_id = mesh["tp"].get_group(), tokenizer.pad_token_id or 0  # any id: padding is masked
-    free_gpu_cache(tp_group)  # SGLang sizes itself from the free memory it sees at start
-    check_pushed_names(model, model_config)
-    engine = None
-    if mesh["tp"].get_local_rank() == 0:  # one engine per TP group, owned by the group's first rank
-        engine = HFEngine(model_config, device, pad_id) if cfg.engine == "hf" else SGLangEngine(cfg, model_config)
-    stop = stop_on_signal()
+                            timeout=datetime.timedelta(hours=1), device_id=device if cuda else None)
+    # Harmless notices of every run: no output of the model is changed in place; TP redistributes a few small tensors.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    transformers.utils.logging.disable_progress_bar()
+    check_config(cfg, world)  # from here: everything that can be checked before a model is built
+    if rank == 0:
+        write_config(cfg)
+    tokenizer, model_config = load_tokenizer_and_config(cfg)
+    train_set = PromptDataset(cfg, "train")
+    test_set = PromptDataset(cfg, "test") if cfg.eval_every > 0 else None  # no evaluation needs no test split
+    reward.check_prompt_lengths([*train_set, *(test_set or [])], tokenizer, cfg.max_new_tokens,
+                                model_config.max_position_embeddings, cfg.plain_template)
+    if rank == 0 and cfg.model != "tiny":
+        weight_files(cfg)  # a torn file stops the run here, before any model is built
+    resumed_from = resume_folder(cfg, model_config)
+    with announce(f"loading {cfg.model}" + (f", resuming {resumed_from}" if resumed_from else ""), rank):
+        mesh = init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
+        model = build_model(model_config, mesh, device, cfg.activation_checkpointing)
+        ref_model = None
+        if cfg.beta > 0:  # frozen: its log-probs are only read
+            ref_model = build_model(model_config, mesh, device, offload=cfg.ref_on_cpu).requires_grad_(False)
+        load_weights([model, ref_model] if ref_model else [model], cfg, model_config)
+        check_pushed_names(model, model_config)
+        # Before any forward: FSDP2 then leaves root parameters unsharded, and an optimizer would hold stale tensors.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, cfg=cfg))
+        start_step, wandb_id = resume(resumed_from, model, optimizer, scheduler)
+        wandb_run = open_run_dir(cfg, start_step, wandb_id) if rank == 0 else None
+        # Forked before the engine and the signal handlers exist. Rank 0 shows the first failed call's traceback.
+        reward_workers = reward.RewardWorkers(cfg.reward_workers, cfg.reward_timeout, show_first_error=rank == 0)
+        tp_group, pad_id = mesh["tp"].get_group(), tokenizer.pad_token_id or 0  # any id: padding is masked
+        free_gpu_cache(tp_group)  # SGLang sizes itself from the free memory it sees at start
+        engine = None
+        if mesh["tp"].get_local_rank() == 0:  # one engine per TP group, owned by the group's first rank
+            engine = HFEngine(model_config, device, pad_id) if cfg.engine == "hf" else SGLangEngine(cfg, model_config)
+    stop = stop_on_signal(rank)
     try:
         push_weights(model, engine, cfg, tp_group)
+        run_start = time.perf_counter()
         for step in range(start_step, cfg.steps):
-            start = time.perf_counter()
-            # --- generate and reward: G scored samples per prompt (dynamic sampling may take more rounds)
+            start = time.perf_counter()  # generate, reward G samples per prompt (dynamic sampling: maybe more rounds)
             samples, errors, dropped = collect_rollouts(engine, reward_workers, train_set, tokenizer, cfg, step, mesh)
-            if isinstance(engine, SGLangEngine) and not cfg.keep_engine_memory:
-                engine.release_memory()  # the training phase gets the engine's weights and KV cache memory
+            if isinstance(engine, SGLangEngine):
+                engine.release_memory()
             rollout_done = time.perf_counter()
             # --- log-probs before the update: the policy's (mini-batches after the first), the reference's
             first_stored = 0 if cfg.kl_in_reward else len(samples) // cfg.num_minibatches
@@ -961,29 +959,29 @@ def main():
             if ref_model is not None:
                 store_logprobs(ref_model, samples, "ref_logprobs", cfg, mesh, pad_id)
                 ref_model.reshard()  # FSDP keeps root parameters whole after a forward that has no backward
-            # --- advantages within each group of G
-            set_advantages(samples, cfg)
-            # --- loss and update
-            train_sums = train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id)
+            set_advantages(samples, cfg)  # within each group of G
+            train_sums = train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id)  # loss and update
             scheduler.step()
             train_done = time.perf_counter()
-            # --- push the new weights into the engine
-            push_weights(model, engine, cfg, tp_group)
+            push_weights(model, engine, cfg, tp_group)  # the new weights into the engine
             end = time.perf_counter()
             times = dict(time_rollout=rollout_done - start, time_train=train_done - rollout_done,
-                         time_push=end - train_done, time_step=end - start)
-            # --- log, evaluate
+                         time_push=end - train_done, time_step=end - start,
+                         eta_s=(end - run_start) / (step + 1 - start_step) * (cfg.steps - step - 1))
             metrics, stopping = step_metrics(samples, train_sums, errors, dropped, times, stop.is_set(),
                                              scheduler.get_last_lr()[0], mesh)
             last = step + 1 == cfg.steps
-            if cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):
-                metrics.update(evaluate(engine, tokenizer, test_set, reward_workers, cfg, mesh))
+            if cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):  # evaluate, then log
+                with announce(f"evaluating on {min(cfg.eval_prompts, len(test_set))} held-out prompts", rank):
+                    metrics.update(evaluate(engine, tokenizer, test_set, reward_workers, cfg, mesh))
             if rank == 0:
                 log_step(step, metrics, cfg, wandb_run)
-            # --- checkpoint; on SIGTERM / Ctrl-C save and stop
-            if stopping or last or (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0):
-                path = save_checkpoint(cfg, step + 1, model, optimizer, scheduler, tokenizer,
-                                       wandb_run.id if wandb_run else wandb_id)
+                if cfg.sample_every > 0 and (step + 1) % cfg.sample_every == 0:
+                    show_sample(step, samples[0], tokenizer, cfg, wandb_run)
+            if stopping or last or (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0):  # on a signal: save, stop
+                with announce(f"saving the checkpoint of step {step + 1}", rank):
+                    path = save_checkpoint(cfg, step + 1, model, optimizer, scheduler, tokenizer,
+                                           wandb_run.id if wandb_run else wandb_id)
             if stopping:
                 if rank == 0:
                     print(f"stopped after step {step + 1}: checkpoint {path}; continue with --resume auto", flush=True)
@@ -995,4 +993,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as error:  # every rank stops alike: rank 0 says why, once
+        raise SystemExit(error.code if int(os.environ.get("RANK", 0)) == 0 or not error.code else 1)

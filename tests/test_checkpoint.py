@@ -2,20 +2,26 @@
 moment leaves a loadable checkpoint, and the HF folder loads with from_pretrained and holds the trained weights."""
 import json
 import os
+import resource
 import signal
+import stat
+import string
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+import reward
+import train
 from test_train import ROOT, metrics, torchrun
 
 FLAGS = ("--preset", "cpu", "--eval_every", "3", "--eval_prompts", "4")
-TIMING = ("time_", "tokens_per_s")
+TIMING = ("time_", "tokens_per_s", "eta_s")
 
 
 def logged(out_dir):
@@ -39,7 +45,7 @@ def test_k_steps_resume_k_steps_equals_2k_steps(tmp_path):
     (split / "checkpoints" / "step_000005.tmp" / "dcp" / "__0_0.distcp").write_bytes(b"\0" * 10)
     second = torchrun(2, *FLAGS, "--steps", "6", "--resume", "auto", "--out_dir", str(split))
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stdout and "step_000003 at step 3" in second.stdout
+    assert "resuming " in second.stdout and "checkpoints/step_000003... " in second.stdout
     assert logged(split) == logged(straight)  # same rewards, losses, grad norms, eval, step by step
     a, b = hf_weights(straight, 6), hf_weights(split, 6)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -51,9 +57,21 @@ def test_hf_folder_loads_with_from_pretrained_and_holds_the_trained_weights(tmp_
     assert run.returncode == 0, run.stderr[-3000:]
     checkpoint = tmp_path / "checkpoints" / "step_000002"
     model = AutoModelForCausalLM.from_pretrained(checkpoint / "hf")
-    # The tiny model's character tokenizer: AutoTokenizer would pick Qwen2's class from config.json instead.
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint / "hf")
-    assert tokenizer("Say a:").input_ids == [tokenizer.convert_tokens_to_ids(c) for c in "Say a:"]
+    # The export loads as it was trained: the tokenizer (AutoTokenizer and train.py --model alike) gives the
+    # training ids and round-trips; config and generation config carry the stop and pad ids; files are 0644.
+    trained_with = reward.char_tokenizer()
+    for tokenizer in (AutoTokenizer.from_pretrained(checkpoint / "hf"),
+                      train.load_tokenizer_and_config(train.Config(model=str(checkpoint / "hf")))[0]):
+        for text in ("Say a:", "a b\n\tc  d", string.printable):
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            assert ids == trained_with(text, add_special_tokens=False).input_ids and tokenizer.decode(ids) == text
+        assert reward.stop_token_ids(tokenizer) == reward.stop_token_ids(trained_with)
+    stop_ids, pad_id = reward.stop_token_ids(trained_with), trained_with.pad_token_id
+    generation = GenerationConfig.from_pretrained(checkpoint / "hf")
+    assert (model.config.eos_token_id, model.config.pad_token_id) == (stop_ids, pad_id)
+    assert (generation.eos_token_id, generation.pad_token_id) == (stop_ids, pad_id)
+    for name in os.listdir(checkpoint / "hf"):
+        assert stat.S_IMODE(os.stat(checkpoint / "hf" / name).st_mode) == 0o644, name
     # The distributed checkpoint, converted by torch's own tool, is an independent copy of the trained weights.
     dcp_to_torch_save(checkpoint / "dcp", tmp_path / "full.pt")
     trained = torch.load(tmp_path / "full.pt", weights_only=False)["model"]
@@ -109,11 +127,14 @@ def test_a_kill_at_a_random_moment_loses_at_most_the_steps_since_the_last_checkp
     resumed = torchrun(2, "--preset", "cpu", "--steps", str(last + 2), "--eval_every", "0", "--resume", "auto",
                        "--out_dir", str(tmp_path))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"at step {last}" in resumed.stdout
+    assert f"resuming {tmp_path}/checkpoints/step_{last:06d}... " in resumed.stdout
     assert [row["step"] for row in metrics(tmp_path)] == list(range(1, last + 3))
 
 
-def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_to_torchrun_finishes_the_step_saves_and_exits(sig, tmp_path):
+    """SIGTERM: what a scheduler sends before preempting the job. Ctrl-C in a terminal reaches torchrun alone (its
+    ranks run in sessions of their own), which forwards it to every rank."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
            "--preset", "cpu", "--steps", "500", "--eval_every", "0", "--out_dir", str(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
@@ -122,10 +143,10 @@ def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("step 3/500"):
-            proc.send_signal(signal.SIGTERM)  # what a scheduler sends before preempting the job
+            proc.send_signal(sig)
             break
     out = "".join(lines) + proc.communicate(timeout=120)[0]
-    assert "SIGTERM: finishing this step, then saving a checkpoint" in out
+    assert out.count(f"{sig.name}: finishing this step, then saving a checkpoint") == 1, out[-3000:]  # rank 0's
     stopped = [line for line in out.splitlines() if line.startswith("stopped after step")]
     assert len(stopped) == 1 and "--resume auto" in stopped[0], out[-3000:]
     step = int(stopped[0].split()[3].rstrip(":"))
@@ -133,3 +154,21 @@ def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
     assert [row["step"] for row in metrics(tmp_path)] == list(range(1, step + 1))
     with open(tmp_path / "checkpoints" / f"step_{step:06d}" / "trainer_state.json") as f:
         assert json.load(f)["step"] == step
+
+
+def test_a_save_that_fails_for_lack_of_space_removes_its_tmp_folder_and_says_so_once(tmp_path):
+    """A file-size limit (as a full disk) makes the checkpoint's writes fail with EFBIG: the run stops with one line
+    naming the checkpoint, and no step_N.tmp is left for --resume to trip on."""
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # the tiny model's weights are ~350 KB
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--preset", "cpu", "--steps", "2", "--eval_every", "0", "--out_dir", str(tmp_path)]
+    run = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=300, preexec_fn=limit_file_size)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert out.count("checkpoints/step_000002 failed (") == 1, out[-3000:]
+    assert f"removed {tmp_path}/checkpoints/step_000002.tmp" in out
+    assert os.listdir(tmp_path / "checkpoints") == []
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]

@@ -262,8 +262,8 @@ def test_encode_prompt_encodes_a_string_prompt_as_is(qwen_tokenizer):
     want = qwen_tokenizer("Say a:", add_special_tokens=False).input_ids
     assert reward.encode_prompt(qwen_tokenizer, "Say a:") == want
     assert qwen_tokenizer.decode(reward.encode_prompt(qwen_tokenizer, "Say a:")) == "Say a:"
-    assert reward.encode_prompt(train.char_tokenizer(), "Say a:") == [train.char_tokenizer().get_vocab()[c]
-                                                                     for c in "Say a:"]
+    ids = reward.encode_prompt(reward.char_tokenizer(), "Say a:")
+    assert len(ids) == 6 and reward.char_tokenizer().decode(ids) == "Say a:"  # a token per character
 
 
 def test_stop_token_ids_of_qwen_are_im_end_and_endoftext(qwen_tokenizer):
@@ -281,7 +281,7 @@ PRINTABLE = "".join(sorted(set(string.printable) - set("\r\x0b\x0c")))
 
 
 def test_char_tokenizer_round_trips_printable_text():
-    tok = train.char_tokenizer()
+    tok = reward.char_tokenizer()
     for text in [PRINTABLE, "Say a: aaaa", "Hello , world ! it 's (3 + 4) * 5 = 35 .\n\tdon 't", "  two  spaces  "]:
         ids = tok(text, add_special_tokens=False).input_ids
         assert len(ids) == len(text)  # one id per character
@@ -289,7 +289,7 @@ def test_char_tokenizer_round_trips_printable_text():
 
 
 def test_char_tokenizer_eos_and_pad_are_single_ids():
-    tok = train.char_tokenizer()
+    tok = reward.char_tokenizer()
     assert tok("<|im_end|>", add_special_tokens=False).input_ids == [tok.eos_token_id]
     assert tok("<|endoftext|>", add_special_tokens=False).input_ids == [tok.pad_token_id]
     assert tok.eos_token_id != tok.pad_token_id
@@ -298,19 +298,19 @@ def test_char_tokenizer_eos_and_pad_are_single_ids():
 
 
 def test_char_tokenizer_im_start_is_a_single_id():
-    tok = train.char_tokenizer()
+    tok = reward.char_tokenizer()
     assert tok("<|im_start|>", add_special_tokens=False).input_ids == [tok.get_vocab()["<|im_start|>"]]
 
 
 def test_char_tokenizer_stop_ids_contain_eos():
-    tok = train.char_tokenizer()
+    tok = reward.char_tokenizer()
     stops = reward.stop_token_ids(tok)
     assert tok.eos_token_id in stops
     assert stops == sorted({tok.get_vocab()["<|im_end|>"], tok.get_vocab()["<|endoftext|>"]})
 
 
 def test_the_char_tokenizer_has_no_chat_template_so_chat_prompts_render_the_plain_template():
-    tok = train.char_tokenizer()
+    tok = reward.char_tokenizer()
     assert not tok.chat_template
     ids = reward.encode_prompt(tok, MESSAGES)  # so chat prompts render the plain template
     assert tok.decode(ids) == reward.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
@@ -418,6 +418,9 @@ def test_unknown_flag_exits_naming_it():
     (dict(overlong_buffer=-1), 1, "--overlong_buffer"),
     (dict(overlong_buffer=2000, max_new_tokens=1024), 1, "--overlong_buffer"),
     (dict(dynamic_sampling_rounds=-2), 1, "--dynamic_sampling_rounds"),
+    (dict(lr=-1e-6), 1, "--lr must be at least 0"), (dict(steps=0), 1, "--steps must be at least 1"),
+    (dict(reward_timeout=0), 1, "--reward_timeout"), (dict(keep_checkpoints=0), 1, "--keep_checkpoints"),
+    (dict(sample_every=-1), 1, "--sample_every"),
     (dict(max_tokens_per_microbatch=-1), 1, "--max_tokens_per_microbatch"),
     (dict(is_mode="mask"), 1, "--tis_cap"),  # masking acts through the cap, which is 0
     (dict(is_level="sequence", tis_cap=0.5), 1, "--tis_cap"),
@@ -436,8 +439,16 @@ def test_a_choice_outside_its_list_is_refused_naming_the_flag_and_the_choices(fl
     assert f"argument {flag}" in error and f"invalid choice: '{value}'" in error and "choose from" in error
 
 
+def test_sglang_engine_on_a_machine_without_cuda_says_that_first(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no sglang either: CUDA is what to fix
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--engine sglang needs a CUDA GPU: use --engine hf here"):
+        train.check_config(train.Config(engine="sglang"), 1)
+
+
 def test_sglang_engine_without_sglang_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # as where sglang is not installed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(SystemExit) as error:
         train.check_config(train.Config(engine="sglang"), 1)
     assert "pip install -r requirements.txt" in str(error.value) and "--engine hf" in str(error.value)
@@ -450,10 +461,45 @@ def test_check_config_accepts_valid_configs():
 
 
 def test_prompts_that_leave_no_room_for_max_new_tokens_stop_the_run_naming_the_flag_and_the_bound():
-    tokenizer = train.char_tokenizer()  # one token a character
+    tokenizer = reward.char_tokenizer()  # one token a character
     items = [{"prompt": "Say a:"}, {"prompt": [{"role": "user", "content": "x" * 40}]}]
     longest = max(len(reward.encode_prompt(tokenizer, item["prompt"])) for item in items)
     assert longest >= 40
-    train.check_prompt_lengths(items, tokenizer, train.Config(max_new_tokens=512 - longest), 512)  # fits exactly
+    reward.check_prompt_lengths(items, tokenizer, 512 - longest, 512)  # fits exactly
     with pytest.raises(SystemExit, match=f"{longest} tokens: with --max_new_tokens {513 - longest} .* length 512"):
-        train.check_prompt_lengths(items, tokenizer, train.Config(max_new_tokens=513 - longest), 512)
+        reward.check_prompt_lengths(items, tokenizer, 513 - longest, 512)
+
+
+def test_reference_answers_that_do_not_parse_are_counted_in_a_warning():
+    items = [{"prompt": "q", "task": "gsm8k", "answer": a} for a in ("72", "1,234.5", "seventy", "")]
+    items.append({"prompt": "q", "task": "math", "answer": None})  # a solution without \\boxed{}
+    warning = reward.check_items(items, "train")
+    assert warning.startswith("warning: 3 of 5 train items have a reference answer that does not parse")
+    assert "'seventy'" in warning
+    assert reward.check_items(items[:2], "train") == ""
+
+
+def test_a_reward_fn_that_fails_on_every_item_stops_the_run_in_one_line(monkeypatch):
+    def broken(completion, sample):
+        raise ZeroDivisionError("division by zero")
+    monkeypatch.setattr(reward, "reward_fn", broken)
+    items = [{"prompt": "q", "task": "toy", "target": "a"}] * 100
+    with pytest.raises(SystemExit, match=r"reward_fn fails on each of the first 64 train items \(ZeroDivisionError: "
+                                         r"division by zero\): fix reward_fn in reward.py"):
+        reward.check_items(items, "train")
+    calls = iter(range(1000))
+    monkeypatch.setattr(reward, "reward_fn", lambda c, s: 1 / (next(calls) % 2))  # fails on half: a model's fault
+    assert reward.check_items(items, "train") == ""
+
+
+def test_resuming_a_checkpoint_of_another_model_is_refused_before_loading(tmp_path):
+    from transformers import Qwen2Config
+    checkpoint = tmp_path / "checkpoints" / "step_000004"
+    Qwen2Config(vocab_size=103, **train.TINY_MODEL).save_pretrained(checkpoint / "hf")
+    (checkpoint / "trainer_state.json").write_text("{}")
+    cfg = train.Config(out_dir=str(tmp_path), resume="auto")
+    assert train.resume_folder(cfg, Qwen2Config(vocab_size=103, **train.TINY_MODEL)) == str(checkpoint)
+    bigger = Qwen2Config(vocab_size=103, **dict(train.TINY_MODEL, hidden_size=128))
+    with pytest.raises(SystemExit, match=f"--resume {checkpoint}: a checkpoint of another model \\(hidden_size 64, "
+                                         "--model's 128\\): pass the --model it was trained from"):
+        train.resume_folder(cfg, bigger)

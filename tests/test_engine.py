@@ -80,7 +80,7 @@ def push_then_generate(rank, world, folder, dp, tp):
     train.push_weights(model, engine, train.Config(engine="hf", bucket_mb=1), mesh["tp"].get_group())
     cfg = train.Config(group_size=3, max_new_tokens=8, temperature=1.0)
     rows = [{"prompt": "ab", "task": "toy", "target": "a"}, {"prompt": "cde", "task": "toy", "target": "b"}]
-    tokenizer = train.char_tokenizer()
+    tokenizer = reward.char_tokenizer()
     workers = reward.RewardWorkers(1, timeout=5.0)
     try:
         samples, errors = train.generate_rollouts(engine, workers, tokenizer, rows, cfg, 5, mesh["tp"].get_group(), 3,
@@ -102,7 +102,7 @@ def push_then_generate(rank, world, folder, dp, tp):
 
 
 def test_pushed_weights_reach_the_engine_and_scored_rollouts_reach_every_tp_rank(tmp_path):
-    tokenizer = train.char_tokenizer()
+    tokenizer = reward.char_tokenizer()
     results = run_ranks(push_then_generate, 2, save_reference(tmp_path, "qwen3", False), 1, 2)
     assert all(r["weights_equal"] and r["finish_right"] and r["scores_right"] for r in results)
     assert results[0]["ids"] == results[1]["ids"]  # rank 1 received rank 0's samples
@@ -153,7 +153,7 @@ def informative_or_flat(completion, sample):
 
 def collect(rank, world, dataset, rounds):
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    tokenizer = train.char_tokenizer()
+    tokenizer = reward.char_tokenizer()
     config = Qwen2Config(vocab_size=len(tokenizer), **train.TINY_MODEL)
     engine = train.HFEngine(config, torch.device("cpu"), tokenizer.pad_token_id)
     cfg = train.Config(prompts_per_step=4, group_size=3, max_new_tokens=2, dynamic_sampling_rounds=rounds)

@@ -154,12 +154,15 @@ def test_a_failing_reward_fn_does_not_stop_training(tmp_path):
     assert len(rows) == 3 and sum(r["reward_errors"] for r in rows) > 0
     assert all(r["skipped_steps"] == 0 and r["grad_norm"] > 0 for r in rows)  # a NaN reward skipped every step
     assert run.stdout.count("reward_fn failed") == 1  # the first traceback, shown once
+    steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
+    assert any(" | reward_errors " in line for line in steps)  # the step line shows them when there are any
+    assert not any("skipped_steps" in line for line in steps)  # and says nothing of what did not happen
     shown = ("a bug in the user's reward", "TimeoutError", "not a finite number", "reward worker died", "KeyError")
     assert any(failure in run.stdout for failure in shown)
 
 
 def test_heads_that_do_not_divide_by_tp_are_refused_before_loading(tmp_path):
-    tokenizer = train.char_tokenizer()
+    tokenizer = reward.char_tokenizer()
     config = Qwen2Config(vocab_size=len(tokenizer), **train.TINY_MODEL)
     config.num_attention_heads, config.num_key_value_heads = 6, 3  # 3 KV heads cannot be split in two
     config.save_pretrained(tmp_path)

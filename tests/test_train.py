@@ -1,12 +1,16 @@
 """The whole loop through torchrun, as a user runs it: the README's CPU command learns the toy reward; one process
 without torchrun; a resume past a torn metrics line."""
+import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+from transformers import AutoModelForCausalLM, Qwen2Config
 
+import reward
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,12 +50,27 @@ def test_cpu_preset_learns_the_toy_reward(tmp_path):
     assert all(r["eval_mean@4"] <= r["eval_pass@4"] for r in evals)
     assert evals[-1]["eval_greedy_acc"] == evals[-1]["eval_mean@4"] == evals[-1]["eval_pass@4"] == 1.0
     assert evals[0]["eval_mean@4"] < 0.5  # at step 10 sampling still strays: mean@4 is not yet 1
+    # The console: the config at once, before the model loads; loading, evaluation and saving say how long they
+    # took; one step a line with its ETA; a sample every --sample_every (10) steps; no warning on stderr.
+    out = run.stdout
+    assert out.index("model=tiny task=toy") < out.index("loading tiny") < out.index("step 1/30")
+    assert re.search(r"loading tiny\.\.\. [0-9.]+s", out)
+    assert re.search(r"evaluating on 16 held-out prompts\.\.\. [0-9.]+s", out)
+    assert re.search(r"saving the checkpoint of step 30\.\.\. [0-9.]+s", out)
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 30 and all(len(line) <= 120 and " | eta 0:" in line for line in steps)
+    assert steps[-1].endswith("eta 0:00:00")
+    assert out.count("  sample (reward ") == 3 and out.count("\nSay a:") == 3  # the prompt, then its completion
+    assert "Warning" not in run.stderr and "top_k" not in run.stderr and "view tensor" not in run.stderr
+    # A step's time and its parts are one rank's: the parts add up to the total.
+    assert all(abs(r["time_rollout"] + r["time_train"] + r["time_push"] - r["time_step"]) < 1e-6 for r in rows)
 
 
 def test_tensor_parallel_run_with_reference_model_logged_to_offline_wandb(tmp_path):
     """tp 2 on 2 ranks with the k3 KL to a reference model and an entropy bonus; wandb offline (no network)."""
     run = torchrun(2, "--preset", "cpu", "--tp", "2", "--beta", "0.1", "--steps", "4", "--entropy_coef", "0.01",
-                   "--wandb_project", "grpo-test", "--out_dir", str(tmp_path), WANDB_MODE="offline")
+                   "--sample_every", "2", "--wandb_project", "grpo-test", "--out_dir", str(tmp_path),
+                   WANDB_MODE="offline")
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 4
@@ -60,11 +79,63 @@ def test_tensor_parallel_run_with_reference_model_logged_to_offline_wandb(tmp_pa
     assert all(r["clip_frac"] >= 0 and r["mismatch_abs"] < 1e-4 for r in rows)
     [wandb_run] = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
     assert any(f.endswith(".wandb") for f in os.listdir(tmp_path / "wandb" / wandb_run))
+    tables = glob.glob(str(tmp_path / "wandb" / wandb_run / "files" / "media" / "table" / "sample_*.table.json"))
+    assert len(tables) == 2  # the samples of steps 2 and 4, as wandb tables
+    assert "redistribut" not in run.stderr and "Warning" not in run.stderr  # TP's notices are silenced
 
 
-def test_bad_flag_exits_before_loading_a_model(tmp_path):
+def test_bad_flag_exits_before_loading_a_model_saying_so_once(tmp_path):
     run = torchrun(2, "--preset", "cpu", "--prompts_per_step", "3", "--out_dir", str(tmp_path))
-    assert run.returncode != 0 and "--prompts_per_step 3 must divide by dp = 2" in run.stderr + run.stdout
+    assert run.returncode != 0 and (run.stderr + run.stdout).count("--prompts_per_step 3 must divide by dp = 2") == 1
+
+
+def one_process(*flags):
+    """`python train.py` as one process, as a first try of a new setting would run it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    return subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_model_folder_that_does_not_exist_is_one_line_naming_the_flag(tmp_path):
+    run = one_process("--model", str(tmp_path / "no_such_model"), "--engine", "hf", "--out_dir", str(tmp_path))
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    [line] = run.stderr.strip().splitlines()
+    assert line.startswith(f"--model {tmp_path}/no_such_model: no such folder")
+
+
+def test_a_truncated_safetensors_file_is_named_before_any_model_is_built(tmp_path):
+    tokenizer = reward.char_tokenizer()
+    AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=len(tokenizer), **train.TINY_MODEL)).save_pretrained(
+        tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # a download cut short
+    run = one_process("--preset", "cpu", "--model", str(tmp_path / "model"), "--out_dir", str(tmp_path / "out"))
+    assert run.returncode != 0 and "Traceback" not in run.stderr and "loading" not in run.stdout
+    assert run.stderr.startswith(f"--model: {weights} cannot be read (") and "download or save it again" in run.stderr
+
+
+def test_an_out_dir_that_cannot_be_written_stops_the_run_at_once(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    run = torchrun(2, "--preset", "cpu", "--out_dir", str(tmp_path / "a_file" / "run"))
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and out.count(f"--out_dir {tmp_path}/a_file/run: cannot write there") == 1
+    assert "loading" not in out
+
+
+def test_without_evaluation_no_test_split_is_needed_and_bad_reference_answers_are_counted(tmp_path):
+    rows = [{"question": f"{i} + 1?", "answer": f"#### {i + 1}"} for i in range(7)] + [{"question": "?", "answer":
+                                                                                        "#### many"}]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = ("--preset", "cpu", "--task", "gsm8k", "--data_path", str(tmp_path / "data"), "--max_new_tokens", "8",
+             "--prompts_per_step", "4", "--steps", "1", "--eval_every", "0", "--out_dir", str(tmp_path / "out"))
+    run = one_process(*flags)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("warning: 1 of 8 train items have a reference answer that does not parse") == 1
+    asked = one_process(*flags[:-4], "--eval_every", "1", "--out_dir", str(tmp_path / "out2"))
+    assert asked.returncode != 0 and "Traceback" not in asked.stderr
+    assert f"--data_path {tmp_path}/data: no test split" in asked.stderr and "test.jsonl" in asked.stderr
 
 
 def test_train_py_stays_under_1000_lines():
@@ -120,5 +191,5 @@ def test_python_train_py_runs_as_one_process_without_torchrun(tmp_path):
 def test_a_metrics_line_torn_by_a_crash_does_not_block_resuming(tmp_path):
     lines = [json.dumps({"step": s, "reward": 0.5}) + "\n" for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(lines) + '{"step": 4, "rew')  # killed mid-write
-    train.open_run_dir(train.Config(out_dir=str(tmp_path)), str(tmp_path / "checkpoints" / "step_000002"), 2, None)
+    train.open_run_dir(train.Config(out_dir=str(tmp_path)), 2, None)
     assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines[:2])  # steps 3 and 4 run again
