@@ -10,6 +10,7 @@ eval, and every scan is linear and capped.
 """
 
 import ctypes
+import functools
 import logging
 import math
 import multiprocessing
@@ -20,8 +21,13 @@ import os
 import pickle
 import random
 import re
+import resource
+import shutil
 import signal
 import string
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from fractions import Fraction
@@ -341,6 +347,96 @@ def load_rows(task: str, split: str, data_path: str, train_size: int, test_size:
     except (ValueError, FileNotFoundError) as error:  # no such split, no such folder or dataset
         raise SystemExit(f"--data_path {path}: no {split} split ({str(error).splitlines()[0][:200]}): give a folder "
                          f"with {split}.jsonl or {split}.parquet")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the Python tool: model-written code, run where it can hurt nothing but itself
+
+TOOL_OUTPUT_CHARS = 10_000  # what the model sees of a run's stdout and stderr
+NOBODY = 65534  # the unprivileged user that runs the code when the trainer is root
+
+
+def _runnable_by_others(path: str) -> bool:
+    """Whether a user other than the owner can execute `path`: every folder above it searchable, itself r-x."""
+    path = os.path.realpath(path)
+    folders = [os.path.dirname(path)]
+    while folders[-1] != os.path.dirname(folders[-1]):
+        folders.append(os.path.dirname(folders[-1]))
+    return all(os.stat(f).st_mode & 0o001 for f in folders) and os.stat(path).st_mode & 0o005 == 0o005
+
+
+def tool_interpreter() -> str:
+    """The Python that runs tool code: this one, or when the trainer is root and the unprivileged user cannot run it
+    (a pyenv under /root), the system's /usr/bin/python3. "" when there is none."""
+    if os.geteuid() != 0:
+        return sys.executable
+    return next((p for p in (sys.executable, "/usr/bin/python3") if os.path.exists(p) and _runnable_by_others(p)), "")
+
+
+@functools.cache
+def _isolation() -> list[str]:
+    """The command prefix that gives tool code new PID and network namespaces (when its PID 1 exits, the kernel
+    kills every process it started, double-forked daemons included; no network but a loopback that is down) and,
+    under root, the unprivileged user. [] where the OS allows no namespaces: then only limits and a session."""
+    prefix = ["unshare", "--pid", "--fork", "--kill-child", "--net", "--"]
+    prefix = prefix + ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"] \
+        if os.geteuid() == 0 else prefix[:1] + ["--user", "--map-root-user"] + prefix[1:]
+    try:
+        ok = subprocess.run(prefix + ["true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return prefix if ok else []
+
+
+def run_python(code: str, timeout: float = 10.0, memory_mb: int = 2048) -> str:
+    """Run model-written `code` in a fresh Python process and return its stdout and stderr as text: at most
+    TOOL_OUTPUT_CHARS, with a note when cut or timed out. Never raises. The process runs in a temporary folder, as an
+    unprivileged user when the trainer is root, in its own PID and network namespaces where the OS allows, with limits
+    on CPU time, wall time, memory, file size and processes; nothing it starts outlives the call."""
+    interpreter = tool_interpreter()
+    if not interpreter:
+        return ("error: no Python that an unprivileged user can run (the trainer's lives where others cannot read); "
+                "install /usr/bin/python3")
+    folder = tempfile.mkdtemp(prefix="tool_")
+    try:
+        with open(os.path.join(folder, "main.py"), "w", encoding="utf-8", errors="replace") as f:
+            f.write(code)
+        if os.geteuid() == 0:
+            os.chown(folder, NOBODY, NOBODY)
+            os.chown(os.path.join(folder, "main.py"), NOBODY, NOBODY)
+        output_path = os.path.join(folder, ".output")  # a file, not a pipe: a flood of output cannot block anyone
+
+        def limit():  # in the child, before exec: its own session, and limits that its children inherit
+            os.setsid()
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the worker that started it
+            for kind, value in ((resource.RLIMIT_CPU, math.ceil(timeout) + 1), (resource.RLIMIT_NPROC, 256),
+                                (resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_FSIZE, 64 << 20),
+                                (resource.RLIMIT_NOFILE, 256), (resource.RLIMIT_CORE, 0)):
+                resource.setrlimit(kind, (value, value))
+        command = (_isolation() if sys.platform == "linux" else []) + [interpreter, "-I", "main.py"]
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": folder, "PYTHONDONTWRITEBYTECODE": "1"}
+        with open(output_path, "wb") as output:
+            process = subprocess.Popen(command, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=output,
+                                       stderr=subprocess.STDOUT, preexec_fn=limit)
+        try:
+            process.wait(timeout)
+            note = ""
+        except subprocess.TimeoutExpired:
+            note = f"\n[timed out after {timeout:g} s]"
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # its namespace's PID 1 goes, and every process with it
+        except ProcessLookupError:
+            pass
+        process.wait()
+        with open(output_path, "rb") as f:
+            text = f.read(4 * TOOL_OUTPUT_CHARS + 4).decode("utf-8", errors="replace")
+        if len(text) > TOOL_OUTPUT_CHARS or os.path.getsize(output_path) > len(text.encode()):
+            text = text[:TOOL_OUTPUT_CHARS] + f"\n[output cut at {TOOL_OUTPUT_CHARS} characters]"
+        return text + note
+    except Exception as error:  # the tool never raises: the model sees what went wrong
+        return f"error: the tool could not run the code ({type(error).__name__}: {error})"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

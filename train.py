@@ -923,7 +923,7 @@ def main():
     if rank == 0 and cfg.model != "tiny":
         weight_files(cfg)  # a torn file stops the run here, before any model is built
     resumed_from = resume_folder(cfg, model_config)
-    with announce(f"loading {cfg.model}" + (f", resuming {resumed_from}" if resumed_from else ""), rank):
+    with announce(f"loading {cfg.model} and the engine{', resuming ' + resumed_from if resumed_from else ''}", rank):
         mesh = init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
         model = build_model(model_config, mesh, device, cfg.activation_checkpointing)
         ref_model = None

@@ -53,8 +53,8 @@ def test_cpu_preset_learns_the_toy_reward(tmp_path):
     # The console: the config at once, before the model loads; loading, evaluation and saving say how long they
     # took; one step a line with its ETA; a sample every --sample_every (10) steps; no warning on stderr.
     out = run.stdout
-    assert out.index("model=tiny task=toy") < out.index("loading tiny") < out.index("step 1/30")
-    assert re.search(r"loading tiny\.\.\. [0-9.]+s", out)
+    assert out.index("model=tiny task=toy") < out.index("loading tiny and the engine") < out.index("step 1/30")
+    assert re.search(r"loading tiny and the engine\.\.\. [0-9.]+s", out)
     assert re.search(r"evaluating on 16 held-out prompts\.\.\. [0-9.]+s", out)
     assert re.search(r"saving the checkpoint of step 30\.\.\. [0-9.]+s", out)
     steps = [line for line in out.splitlines() if line.startswith("step ")]
