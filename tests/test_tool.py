@@ -11,7 +11,10 @@ import pytest
 
 import reward
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox uses Linux namespaces and limits")
+pytestmark = pytest.mark.skipif(sys.platform != "linux" or not reward.tool_interpreter(),
+                                reason="the sandbox uses Linux limits and a Python that others can run")
+# Where the OS allows no namespaces the code runs with limits only: these would then hurt the machine running them.
+ISOLATED = pytest.mark.skipif(sys.platform != "linux" or not reward._isolation(), reason="no namespaces allowed here")
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="the user switch happens when the trainer is root")
 
 
@@ -24,6 +27,7 @@ def test_output_and_tracebacks_come_back_as_text_and_nothing_raises():
 
 
 @ROOT_ONLY
+@ISOLATED
 def test_the_code_runs_as_an_unprivileged_user_in_its_own_folder_and_namespaces():
     uid, pid, cwd = reward.run_python("import os; print(os.getuid(), os.getpid(), os.getcwd())").split()
     assert uid == str(reward.NOBODY) and pid == "1"  # PID 1 of a namespace of its own
@@ -65,6 +69,7 @@ def leftovers(marker):
     return [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
 
 
+@ISOLATED
 def test_no_process_it_starts_outlives_the_call_daemons_included():
     for timeout in (5, 1.5):  # the code returns at once; or it hangs and is killed
         marker = f"{1000 + timeout + time.time() % 1:.6f}"
@@ -74,6 +79,7 @@ def test_no_process_it_starts_outlives_the_call_daemons_included():
         assert leftovers(marker) == []
 
 
+@ISOLATED
 def test_killing_every_process_it_can_see_hurts_only_itself():
     bystander = psutil.Popen(["sleep", "30"])  # the trainer's side: a process of the caller's
     try:
@@ -84,6 +90,7 @@ def test_killing_every_process_it_can_see_hurts_only_itself():
 
 
 @ROOT_ONLY
+@ISOLATED
 def test_the_code_cannot_touch_the_trainers_files(tmp_path):
     os.chmod(tmp_path, 0o755)
     (tmp_path / "weights.bin").write_text("trained")
@@ -103,6 +110,7 @@ for action in (lambda: open({str(tmp_path / 'weights.bin')!r}, 'w').write('gone'
     assert (tmp_path / "weights.bin").read_text() == "trained" and not (tmp_path / "new").exists()
 
 
+@ISOLATED
 def test_the_network_is_out_of_reach():
     server = socket.create_server(("127.0.0.1", 0))
     accepted = []
