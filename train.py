@@ -155,8 +155,7 @@ class PromptDataset(torch.utils.data.Dataset):
     def __init__(self, cfg, split):
         self.task = cfg.task
         self.rows = reward.load_rows(cfg.task, split, cfg.data_path, cfg.train_size, cfg.test_size, cfg.seed)
-        least = cfg.prompts_per_step if split == "train" else 1  # a step's prompts; an evaluation's
-        if len(self.rows) < least:
+        if len(self.rows) < (least := cfg.prompts_per_step if split == "train" else 1):  # a step's; an evaluation's
             raise SystemExit(f"the {split} split has {len(self.rows)} rows, fewer than {least} (--prompts_per_step for "
                              "train): check --task, --data_path, --train_size, --test_size (or --eval_every 0)")
         warning = reward.check_items([self[i] for i in range(len(self))], split)  # stops on what cannot work
@@ -278,11 +277,11 @@ def weight_files(cfg):
 
 def load_weights(models, cfg, model_config):
     """--model's weights into the sharded models a file at a time (rank 0 reads): host memory holds one file at most."""
-    files = weight_files(cfg) if dist.get_rank() == 0 and cfg.model != "tiny" else [None]
+    files = on_first_rank(lambda: weight_files(cfg) if cfg.model != "tiny" else [None])
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     loaded = set()
     torch.manual_seed(cfg.seed)  # --model tiny: one part (None), random weights seeded with --seed
-    for part in on_first_rank(lambda: files):
+    for part in files:
         state = {}
         if dist.get_rank() == 0:
             state = load_file(part) if part else AutoModelForCausalLM.from_config(model_config).state_dict()
@@ -297,10 +296,17 @@ def load_weights(models, cfg, model_config):
 
 
 def on_first_rank(work, group=None):
-    """work() on the group's first rank (default 0), sent to all: one answer, so tp ranks' weights can't drift apart."""
+    """work() on the group's first rank (default 0), sent to all: one answer; a SystemExit there stops every rank."""
     group = group or dist.group.WORLD
-    box = [work() if dist.get_rank(group) == 0 else None]
+    box = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = work()
+        except SystemExit as error:  # a check made on one rank: the others would fail in the next collective
+            box[0] = error
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    if isinstance(box[0], SystemExit):
+        raise box[0]
     return box[0]
 
 
@@ -836,9 +842,7 @@ def resume_folder(cfg, model_config):
         raise SystemExit(f"--resume {path}: not a complete checkpoint folder (no trainer_state.json)")
     if found and not path:
         raise SystemExit(f"--out_dir {cfg.out_dir} holds checkpoints: --resume auto continues them, or use another")
-    if not path:
-        return path
-    saved = AutoConfig.from_pretrained(os.path.join(path, "hf"))
+    saved = AutoConfig.from_pretrained(os.path.join(path, "hf")) if path else model_config
     for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
         if getattr(saved, key, None) != getattr(model_config, key, None):
             raise SystemExit(f"--resume {path}: a checkpoint of another model ({key} {getattr(saved, key, None)}, "
@@ -862,7 +866,6 @@ def resume(path, model, optimizer, scheduler):
 def stop_on_signal(rank):
     """SIGTERM or Ctrl-C: finish the step, save, exit; a second Ctrl-C exits at once (README: stopping a run)."""
     requested = threading.Event()
-
     def handler(signum, frame):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C raises KeyboardInterrupt
         if rank == 0 and not requested.is_set():
@@ -874,8 +877,7 @@ def stop_on_signal(rank):
 
 
 @contextlib.contextmanager
-def announce(what, rank):
-    """On rank 0: what is being done, then how long it took."""
+def announce(what, rank):  # on rank 0: what is being done, then how long it took
     start = time.perf_counter()
     if rank == 0:
         print(f"{what}...", end=" ", flush=True)
@@ -913,15 +915,13 @@ def main():
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
     check_config(cfg, world)  # from here: everything that can be checked before a model is built
-    if rank == 0:
-        write_config(cfg)
+    on_first_rank(lambda: write_config(cfg))
     tokenizer, model_config = load_tokenizer_and_config(cfg)
     train_set = PromptDataset(cfg, "train")
     test_set = PromptDataset(cfg, "test") if cfg.eval_every > 0 else None  # no evaluation needs no test split
     reward.check_prompt_lengths([*train_set, *(test_set or [])], tokenizer, cfg.max_new_tokens,
                                 model_config.max_position_embeddings, cfg.plain_template)
-    if rank == 0 and cfg.model != "tiny":
-        weight_files(cfg)  # a torn file stops the run here, before any model is built
+    on_first_rank(lambda: cfg.model == "tiny" or weight_files(cfg))  # a torn file stops here, before any model
     resumed_from = resume_folder(cfg, model_config)
     with announce(f"loading {cfg.model} and the engine{', resuming ' + resumed_from if resumed_from else ''}", rank):
         mesh = init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
