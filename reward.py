@@ -378,9 +378,11 @@ def _isolation() -> list[str]:
     """The command prefix that gives tool code new PID and network namespaces (when its PID 1 exits, the kernel
     kills every process it started, double-forked daemons included; no network but a loopback that is down) and,
     under root, the unprivileged user. [] where the OS allows no namespaces: then only limits and a session."""
-    prefix = ["unshare", "--pid", "--fork", "--kill-child", "--net", "--"]
-    prefix = prefix + ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"] \
-        if os.geteuid() == 0 else prefix[:1] + ["--user", "--map-root-user"] + prefix[1:]
+    if os.geteuid() == 0:  # namespaces first, then the unprivileged user
+        prefix = ["unshare", "--pid", "--fork", "--kill-child", "--net", "--",
+                  "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
+    else:  # a user namespace of the trainer's user allows the others without root
+        prefix = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--net", "--"]
     try:
         ok = subprocess.run(prefix + ["true"], capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.SubprocessError):
@@ -429,8 +431,9 @@ def run_python(code: str, timeout: float = 10.0, memory_mb: int = 2048) -> str:
             pass
         process.wait()
         with open(output_path, "rb") as f:
-            text = f.read(4 * TOOL_OUTPUT_CHARS + 4).decode("utf-8", errors="replace")
-        if len(text) > TOOL_OUTPUT_CHARS or os.path.getsize(output_path) > len(text.encode()):
+            head = f.read(4 * TOOL_OUTPUT_CHARS)  # a character is at most 4 bytes
+        text = head.decode("utf-8", errors="replace")
+        if len(text) > TOOL_OUTPUT_CHARS or os.path.getsize(output_path) > len(head):
             text = text[:TOOL_OUTPUT_CHARS] + f"\n[output cut at {TOOL_OUTPUT_CHARS} characters]"
         return text + note
     except Exception as error:  # the tool never raises: the model sees what went wrong

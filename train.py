@@ -275,9 +275,8 @@ def weight_files(cfg):
     return files
 
 
-def load_weights(models, cfg, model_config):
-    """--model's weights into the sharded models a file at a time (rank 0 reads): host memory holds one file at most."""
-    files = on_first_rank(lambda: weight_files(cfg) if cfg.model != "tiny" else [None])
+def load_weights(models, files, cfg, model_config):
+    """`files` (weight_files) into the sharded models one at a time, rank 0 reading: host memory holds one at most."""
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     loaded = set()
     torch.manual_seed(cfg.seed)  # --model tiny: one part (None), random weights seeded with --seed
@@ -921,7 +920,7 @@ def main():
     test_set = PromptDataset(cfg, "test") if cfg.eval_every > 0 else None  # no evaluation needs no test split
     reward.check_prompt_lengths([*train_set, *(test_set or [])], tokenizer, cfg.max_new_tokens,
                                 model_config.max_position_embeddings, cfg.plain_template)
-    on_first_rank(lambda: cfg.model == "tiny" or weight_files(cfg))  # a torn file stops here, before any model
+    files = on_first_rank(lambda: weight_files(cfg) if cfg.model != "tiny" else [None])  # before any model is built
     resumed_from = resume_folder(cfg, model_config)
     with announce(f"loading {cfg.model} and the engine{', resuming ' + resumed_from if resumed_from else ''}", rank):
         mesh = init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
@@ -929,7 +928,7 @@ def main():
         ref_model = None
         if cfg.beta > 0:  # frozen: its log-probs are only read
             ref_model = build_model(model_config, mesh, device, offload=cfg.ref_on_cpu).requires_grad_(False)
-        load_weights([model, ref_model] if ref_model else [model], cfg, model_config)
+        load_weights([model, ref_model] if ref_model else [model], files, cfg, model_config)
         check_pushed_names(model, model_config)
         # Before any forward: FSDP2 then leaves root parameters unsharded, and an optimizer would hold stale tensors.
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -57,7 +57,8 @@ def load(rank, world, folder, streamed):
     config = AutoConfig.from_pretrained(folder)
 
     def streamed_load():  # train.py: meta device, shard, then one safetensors file at a time from rank 0
-        train.load_weights([train.build_model(config, mesh, torch.device("cpu"))], train.Config(model=folder), config)
+        cfg = train.Config(model=folder)
+        train.load_weights([train.build_model(config, mesh, torch.device("cpu"))], train.weight_files(cfg), cfg, config)
 
     def naive_load():  # every rank reads the whole checkpoint, then keeps its shards of it
         full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
@@ -131,7 +132,7 @@ def stages(rank, world, folder):
     cfg = train.Config(model=folder, group_size=4, max_new_tokens=64, micro_batch_size=8, logprob_chunk=512)
     (model, engine), t_load, m_load = measure(lambda: (
         train.build_model(config, mesh, torch.device("cpu")), train.HFEngine(config, torch.device("cpu"), 0)))
-    train.load_weights([model], cfg, config)
+    train.load_weights([model], train.weight_files(cfg), cfg, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     push_cfg = train.Config(engine="hf", bucket_mb=64)
     _, t_push, m_push = measure(lambda: train.push_weights(model, engine, push_cfg, mesh["tp"].get_group()))

@@ -70,7 +70,8 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
     config = AutoConfig.from_pretrained(tmp_path / "model")  # a checkpoint's config names its class, as SGLang needs
     mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp", "tp"))
     model = train.build_model(config, mesh, device)
-    train.load_weights([model], train.Config(model=str(tmp_path / "model")), config)
+    load_cfg = train.Config(model=str(tmp_path / "model"))
+    train.load_weights([model], train.weight_files(load_cfg), load_cfg, config)
     cfg = train.Config(engine="sglang", out_dir=str(tmp_path), mem_fraction=0.3, engine_port=free_port(),
                        max_new_tokens=64, temperature=1.0, top_p=1.0, bucket_mb=1)
     g = torch.Generator().manual_seed(1)

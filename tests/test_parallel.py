@@ -34,7 +34,8 @@ def sharded_model(folder, mesh, activation_checkpointing=False):
     """The trainer's way: built on the meta device, sharded, then the checkpoint streamed in file by file."""
     config = AutoConfig.from_pretrained(folder)
     model = train.build_model(config, mesh, torch.device("cpu"), activation_checkpointing)
-    train.load_weights([model], train.Config(model=folder), config)
+    cfg = train.Config(model=folder)
+    train.load_weights([model], train.weight_files(cfg), cfg, config)
     return model
 
 

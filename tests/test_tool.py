@@ -123,7 +123,12 @@ def test_the_network_is_out_of_reach():
     assert out.startswith("refused") and accepted == []
 
 
-def test_an_interpreter_the_unprivileged_user_cannot_read_is_refused_with_a_message(monkeypatch):
-    assert not reward._runnable_by_others("/root/.pyenv/bin/python") or not os.path.isdir("/root/.pyenv")
+def test_an_interpreter_the_unprivileged_user_cannot_read_is_refused_with_a_message(monkeypatch, tmp_path):
+    hidden = tmp_path / "private" / "python3"  # as a pyenv under a 0700 /root
+    hidden.parent.mkdir(mode=0o700)
+    hidden.write_text("")
+    hidden.chmod(0o755)
+    assert not reward._runnable_by_others(str(hidden))
+    assert reward._runnable_by_others("/bin/sh")  # every folder above it searchable, the file r-x for others
     monkeypatch.setattr(reward, "tool_interpreter", lambda: "")
     assert reward.run_python("print(1)").startswith("error: no Python that an unprivileged user can run")
