@@ -271,6 +271,11 @@ def encode_prompt(tokenizer, prompt: list[dict] | str, plain_template: bool = Fa
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,  # --model tiny
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+                  architectures=["Qwen2ForCausalLM"])  # the toy task's random model; SGLang needs architectures
+
+
 def char_tokenizer():
     """The toy task's tokenizer for `--model tiny`, nothing to download: Qwen2's byte-level BPE with one token per
     printable character, no merges, and Qwen's special tokens. Saved with a checkpoint, it loads back as the same
@@ -298,10 +303,13 @@ def gradable(item: dict) -> bool:
     return True
 
 
-def check_items(items: list[dict], split: str, tried: int = 64) -> str:
-    """Before any model is loaded: stop with one line when the items lack a field the prompt or reward_fn reads, or
-    reward_fn raises on each of the first `tried`; return a warning ("" if none) counting the reference answers that
-    do not parse (every reward on those is 0)."""
+def check_items(items: list[dict], split: str, least: int = 1, tried: int = 64) -> str:
+    """Before any model is loaded: stop with one line when there are fewer than `least` items, they lack a field the
+    prompt or reward_fn reads, or reward_fn raises on each of the first `tried`; return a warning ("" if none)
+    counting the reference answers that do not parse (every reward on those is 0)."""
+    if len(items) < least:
+        raise SystemExit(f"the {split} split has {len(items)} rows, fewer than {least} (--prompts_per_step for train): "
+                         "check --task, --data_path, --train_size, --test_size (or --eval_every 0)")
     errors = []
     for item in items[:tried]:
         try:
@@ -353,6 +361,7 @@ def load_rows(task: str, split: str, data_path: str, train_size: int, test_size:
 # the Python tool: model-written code, run where it can hurt nothing but itself
 
 TOOL_OUTPUT_CHARS = 10_000  # what the model sees of a run's stdout and stderr
+TOOL_TIMEOUT = 10.0  # seconds of wall time for one run
 NOBODY = 65534  # the unprivileged user that runs the code when the trainer is root
 
 
@@ -390,7 +399,7 @@ def _isolation() -> list[str]:
     return prefix if ok else []
 
 
-def run_python(code: str, timeout: float = 10.0, memory_mb: int = 2048) -> str:
+def run_python(code: str, timeout: float = TOOL_TIMEOUT, memory_mb: int = 2048) -> str:
     """Run model-written `code` in a fresh Python process and return its stdout and stderr as text: at most
     TOOL_OUTPUT_CHARS, with a note when cut or timed out. Never raises. The process runs in a temporary folder, as an
     unprivileged user when the trainer is root, in its own PID and network namespaces where the OS allows, with limits
@@ -443,6 +452,52 @@ def run_python(code: str, timeout: float = 10.0, memory_mb: int = 2048) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the Python tool in a rollout (--tool python): the model writes a ```python block, generation stops at its end, the
+# block is run, and its output is appended as an ```output block (ToRL's format); the model then goes on
+
+# Qwen2.5-Math's tool-integrated reasoning instruction, and how the tool answers.
+TOOL_PROMPT = ("{question}\nPlease integrate natural language reasoning with programs to solve the problem above, and "
+               "put your final answer within \\boxed{{}}. Each ```python block you write is run, and what it prints is "
+               "shown to you in an ```output block.")
+
+
+@functools.cache
+def fence_token_ids(tokenizer) -> list[int]:
+    """The tokens a ``` fence can end on: their text ends with a backquote, whitespace aside. Generation stops at each
+    (engines stop on token ids; SGLang's stop strings would need its own tokenizer), and code_to_run tells a fence
+    that closes a ```python block from the rest (an opening fence, inline code), after which generation goes on."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return [i for i, text in enumerate(texts) if text.rstrip().endswith("`")]
+
+
+def code_to_run(response: str) -> str | None:
+    """The code of the ```python block that `response` ends with (whitespace aside), or None when it ends otherwise."""
+    _, opening, rest = response.rstrip().rpartition("```python")
+    if not opening or not rest.endswith("```") or "```" in rest[:-3]:  # one fence after the opening: the closing one
+        return None
+    return rest[:-3]
+
+
+def output_block(response: str, output: str) -> str:
+    """The text appended to `response` after its block ran: the output in an ```output block on lines of its own."""
+    return ("" if response.endswith("\n") else "\n") + f"```output\n{output.rstrip()}\n```\n"
+
+
+def tool_counts(outputs: list[list[str]]) -> dict[str, int]:
+    """Of samples' tool outputs: tool calls, samples that made one, failed runs (tool_failure) of each kind."""
+    failures = [tool_failure(output) for sample in outputs for output in sample]
+    return dict(tool_calls=len(failures), tool_use=sum(map(bool, outputs)), tool_errors=failures.count("error"),
+                tool_timeouts=failures.count("timeout"))
+
+
+def tool_failure(output: str) -> str | None:
+    """"timeout" when the run was cut off, "error" when it failed (a traceback, an `...Error:` line), else None."""
+    if "\n[timed out after " in output[-100:]:
+        return "timeout"
+    return "error" if re.search(r"^(Traceback \(most recent call last\)|\w*Error: |error: )", output, re.M) else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # running reward_fn on model output: in worker processes, each call cut off after a timeout
 
 
@@ -464,8 +519,9 @@ def _reward_or_error(completion: str, sample: dict, timeout: float) -> tuple[flo
     return float(value), None
 
 
-def _serve(connection, timeout: float) -> None:
-    """A reward worker: scores each (completion, sample) that arrives until the trainer closes the connection."""
+def _serve(connection) -> None:
+    """A worker: calls each (function, args) that arrives (reward_fn's or the tool's) until the trainer closes the
+    connection."""
     os.setsid()  # its own session and process group: signals sent to the trainer's group are the trainer's
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's handler, which a replacement inherits
     try:
@@ -474,17 +530,18 @@ def _serve(connection, timeout: float) -> None:
         pass
     while True:
         try:
-            completion, sample = pickle.loads(connection.recv_bytes())
+            function, args = pickle.loads(connection.recv_bytes())
         except EOFError:
             return
-        connection.send_bytes(pickle.dumps(_reward_or_error(completion, sample, timeout)))
+        connection.send_bytes(pickle.dumps(function(*args)))
 
 
 class RewardWorkers:
-    """reward_fn in `workers` forked processes, each in its own session. A call past `timeout` is cut off inside its
-    worker (SIGALRM). A worker still busy a second later (stuck where SIGALRM cannot reach, as C code with signals
-    blocked) or dead is killed with its process group and replaced, and its call scores 0: a batch never waits much
-    longer than its slowest allowed call. With show_first_error, the first failure is printed, once."""
+    """reward_fn, and the tool's run_python, in `workers` forked processes, each in its own session. A reward_fn call
+    past `timeout` is cut off inside its worker (SIGALRM). A worker still busy a second later (stuck where SIGALRM
+    cannot reach, as C code with signals blocked) or dead is killed with its process group and replaced, and its call
+    scores 0: a batch never waits much longer than its slowest allowed call. With show_first_error, the first failure
+    is printed, once."""
 
     def __init__(self, workers: int, timeout: float, show_first_error: bool = False):
         self.timeout, self.show_first_error = timeout, show_first_error
@@ -494,7 +551,7 @@ class RewardWorkers:
     def _start(self):
         """A new worker: (process, the trainer's end of its connection)."""
         ours, theirs = self.context.Pipe()
-        process = self.context.Process(target=_serve, args=(theirs, self.timeout), daemon=True)
+        process = self.context.Process(target=_serve, args=(theirs,), daemon=True)
         process.start()
         theirs.close()
         return process, ours
@@ -517,18 +574,44 @@ class RewardWorkers:
 
     def score(self, completions: list[str], samples: list[dict]) -> tuple[list[float], list[str]]:
         """reward_fn of each completion with its sample; why the failed calls (scored 0) failed."""
-        # Samples travel as pickle's bytes: SGLang patches multiprocessing's own pickling of tensors for CUDA IPC in
+        calls = [(_reward_or_error, (completion, sample, self.timeout)) for completion, sample
+                 in zip(completions, samples)]
+        results, failed = self._run(calls, self.timeout + 1.0, "reward_fn")
+        for i, why in failed.items():
+            results[i] = (0.0, f"{why}: scored 0, and the worker replaced")
+        errors = [error for _, error in results if error]
+        if errors and self.show_first_error:
+            print(f"reward_fn failed; it scores 0, counted as reward_errors (shown once):\n{errors[0]}", flush=True)
+            self.show_first_error = False
+        return [value for value, _ in results], errors
+
+    def run_tools(self, responses: list[str]) -> list[tuple[str, str]]:
+        """For each response that ends with a ```python block: what run_python of its code printed (the runs in
+        parallel), and the reply to append to the response (output_block); ("", "") for the others."""
+        codes = {i: code for i, response in enumerate(responses) if (code := code_to_run(response)) is not None}
+        calls = [(run_python, (code,)) for code in codes.values()]
+        outputs, failed = self._run(calls, TOOL_TIMEOUT + 5.0, "the tool")
+        replies = [("", "")] * len(responses)
+        for j, i in enumerate(codes):
+            output = f"error: {failed[j]}" if j in failed else outputs[j]
+            replies[i] = (output, output_block(responses[i], output))
+        return replies
+
+    def _run(self, calls: list[tuple], seconds: float, what: str) -> tuple[list, dict[int, str]]:
+        """Each (function, args) called in a free worker; the results in order, and why each call that has none failed
+        (its worker died, or was still busy after `seconds`: then it is killed and replaced)."""
+        # Calls travel as pickle's bytes: SGLang patches multiprocessing's own pickling of tensors for CUDA IPC in
         # the trainer's process, after which it fails on a CPU tensor that a row may hold.
-        waiting = [(i, pickle.dumps(job)) for i, job in enumerate(zip(completions, samples))][::-1]
-        results, busy = [None] * len(completions), {}  # busy: worker index -> (job index, deadline)
+        waiting = [(i, pickle.dumps(call)) for i, call in enumerate(calls)][::-1]
+        results, failed, busy = [None] * len(calls), {}, {}  # busy: worker index -> (call index, deadline)
         while waiting or busy:
             for w in range(len(self.workers)):
                 if w not in busy and waiting:
                     if not self.workers[w][0].is_alive():  # killed between calls
                         self._replace(w)
-                    i, job = waiting.pop()
-                    self.workers[w][1].send_bytes(job)
-                    busy[w] = (i, time.monotonic() + self.timeout + 1.0)
+                    i, call = waiting.pop()
+                    self.workers[w][1].send_bytes(call)
+                    busy[w] = (i, time.monotonic() + seconds)
             wait = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
             ready = multiprocessing.connection.wait([self.workers[w][1] for w in busy], wait)
             for w, (i, deadline) in list(busy.items()):
@@ -536,20 +619,16 @@ class RewardWorkers:
                 if connection in ready:
                     try:
                         results[i] = pickle.loads(connection.recv_bytes())
-                    except (EOFError, OSError):  # reward_fn ended its worker (os._exit), or something killed it
-                        failure = "its reward worker died"
+                    except (EOFError, OSError):  # the call ended its worker (os._exit), or something killed it
+                        failure = f"its {what} worker died"
                 elif time.monotonic() >= deadline:
-                    failure = "reward_fn ran a second past --reward_timeout where SIGALRM could not stop it"
+                    failure = f"{what} ran past its time limit where SIGALRM could not stop it"
                 else:
                     continue
                 del busy[w]
                 if failure:
-                    results[i] = (0.0, f"{failure} (exit code {self._replace(w)}): scored 0, and the worker replaced")
-        errors = [error for _, error in results if error]
-        if errors and self.show_first_error:
-            print(f"reward_fn failed; it scores 0, counted as reward_errors (shown once):\n{errors[0]}", flush=True)
-            self.show_first_error = False
-        return [value for value, _ in results], errors
+                    failed[i] = f"{failure} (exit code {self._replace(w)})"
+        return results, failed
 
     def close(self):
         """Every worker killed, with what its reward_fn started: never waits on a stuck call."""

@@ -21,12 +21,11 @@ import threading
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from huggingface_hub import snapshot_download
-from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, safe_open
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -102,6 +101,8 @@ class Config:
     out_dir: str = "runs/grpo"  # config.json, metrics.jsonl, checkpoints/ (layout in README)
     wandb_project: str = ""  # log to wandb too when set (WANDB_MODE=offline needs no network)
     sample_every: int = 10  # print a sampled prompt, completion and reward every N steps (and log them); 0: never
+    tool: Literal["", "python"] = ""  # python: responses may run ```python blocks (README: the Python tool)
+    max_turns: int = 4  # with --tool: generation turns per response, each but the last may end in a block that is run
 
 
 PRESETS = {"cpu": dict(model="tiny", task="toy", engine="hf", steps=30, prompts_per_step=8, group_size=8, lr=1e-2,
@@ -123,10 +124,10 @@ def check_config(cfg, world):
     minimum = dict(tp=1, prompts_per_step=1, group_size=2, num_minibatches=1, micro_batch_size=1, max_new_tokens=1,
                    eval_k=1, logprob_chunk=1, reward_workers=1, beta=0, entropy_coef=0, tis_cap=0, overlong_buffer=0,
                    dynamic_sampling_rounds=0, max_tokens_per_microbatch=0, eval_every=0, save_every=0, lr=0, steps=1,
-                   keep_checkpoints=1, sample_every=0, reward_timeout=0.001)
-    for field, low in minimum.items():
-        if getattr(cfg, field) < low:
-            raise SystemExit(f"--{field} must be at least {low}, not {getattr(cfg, field)}")
+                   keep_checkpoints=1, sample_every=0, reward_timeout=0.001, max_turns=1)
+    for flag, low in minimum.items():
+        if getattr(cfg, flag) < low:
+            raise SystemExit(f"--{flag} must be at least {low}, not {getattr(cfg, flag)}")
     if world % cfg.tp:
         raise SystemExit(f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}")
     dp = world // cfg.tp
@@ -153,12 +154,10 @@ def check_config(cfg, world):
 class PromptDataset(torch.utils.data.Dataset):
     """Prompts of one task. Edit __getitem__ to change what a prompt says or to add a task."""
     def __init__(self, cfg, split):
-        self.task = cfg.task
+        self.task, self.boxed_prompt = cfg.task, reward.TOOL_PROMPT if cfg.tool else reward.BOXED_PROMPT
         self.rows = reward.load_rows(cfg.task, split, cfg.data_path, cfg.train_size, cfg.test_size, cfg.seed)
-        if len(self.rows) < (least := cfg.prompts_per_step if split == "train" else 1):  # a step's; an evaluation's
-            raise SystemExit(f"the {split} split has {len(self.rows)} rows, fewer than {least} (--prompts_per_step for "
-                             "train): check --task, --data_path, --train_size, --test_size (or --eval_every 0)")
-        warning = reward.check_items([self[i] for i in range(len(self))], split)  # stops on what cannot work
+        least = cfg.prompts_per_step if split == "train" else 1  # a step's prompts; an evaluation's
+        warning = reward.check_items([self[i] for i in range(len(self))], split, least)  # stops on what cannot work
         if warning and int(os.environ.get("RANK", 0)) == 0:
             print(warning, flush=True)
 
@@ -173,20 +172,20 @@ class PromptDataset(torch.utils.data.Dataset):
         if self.task == "countdown":
             content, fields = reward.COUNTDOWN_PROMPT.format(**row), row  # the row is {"nums", "target"}
         elif self.task in ("gsm8k", "addition"):  # addition's rows are generated in gsm8k's format
-            content = reward.BOXED_PROMPT.format(question=row["question"])
+            content = self.boxed_prompt.format(question=row["question"])
             fields = {"answer": row["answer"].split("####")[-1].strip()}
         else:  # math: the answer is the last \boxed{} of the reference solution, in LaTeX
-            content = reward.BOXED_PROMPT.format(question=row["problem"])
+            content = self.boxed_prompt.format(question=row["problem"])
             fields = {"answer": reward.last_boxed(row["solution"])}
         return {"prompt": [{"role": "user", "content": content}], "task": self.task, **fields}
 
 
 def load_tokenizer_and_config(cfg):
-    """--model's tokenizer and config; for "tiny", the character tokenizer and TINY_MODEL with its stop and pad ids."""
+    """--model's tokenizer and config; for "tiny", the character tokenizer and reward.TINY_MODEL, stop and pad ids."""
     if cfg.model == "tiny":
         tokenizer = reward.char_tokenizer()
         return tokenizer, Qwen2Config(vocab_size=len(tokenizer), eos_token_id=reward.stop_token_ids(tokenizer),
-                                      pad_token_id=tokenizer.pad_token_id, **TINY_MODEL)
+                                      pad_token_id=tokenizer.pad_token_id, **reward.TINY_MODEL)
     try:
         return AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model)
     except OSError as error:  # a name that is no folder here is looked up on the hub
@@ -205,10 +204,12 @@ def step_rows(dataset, step, cfg, dp_rank, dp, sampling_round=0):
 
 @dataclass
 class Sample:
-    """One sampled response and what the step learns about it; per-token fields are float32 tensors [T]."""
+    """One response and what the step learns about it; per-token fields are float32 tensors over its sampled tokens."""
     prompt_ids: list[int]  # the prompt's tokens as the engine saw them
-    response_ids: list[int]  # the tokens exactly as sampled, the stop token included: never re-tokenised
-    engine_logprobs: torch.Tensor  # the engine's log-probs of response_ids, of logits / temperature
+    response_ids: list[int]  # the tokens after it as the engine saw them, stop token included: never re-tokenised
+    sampled: list[bool]  # per response token: sampled by the engine, or tool output (no loss, no metric)
+    engine_logprobs: torch.Tensor  # the engine's log-probs of the sampled tokens, of logits / temperature
+    tool_outputs: list[str] = field(default_factory=list)  # what each run of its code printed (--tool python)
     truncated: bool = False  # cut off by --max_new_tokens rather than ended by a stop token
     score: float = 0.0  # reward_fn's value
     reward: float = 0.0  # score plus shaping (the overlong penalty): what advantages are made from
@@ -217,10 +218,6 @@ class Sample:
     old_logprobs: torch.Tensor | None = None  # the policy's before the update, where the step needs them
     ref_logprobs: torch.Tensor | None = None  # the reference model's (--beta > 0)
 
-
-TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,  # --model tiny
-                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-                  architectures=["Qwen2ForCausalLM"])  # SGLang needs architectures
 
 # q/k/v and gate/up split their output features over tp, o and down their input: one all-reduce per block each way.
 TP_PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -234,9 +231,9 @@ QK_NORM_PLAN = {"self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_o
 def parallelize(model, mesh, activation_checkpointing, offload=False):
     """TP inside each decoder layer, then activation checkpointing, then FSDP per layer and at the root."""
     tp = mesh["tp"].size()
-    for field in ("num_attention_heads", "num_key_value_heads"):  # each rank computes whole heads
-        if getattr(model.config, field) % tp:
-            raise SystemExit(f"--tp {tp} must divide the model's {field} ({getattr(model.config, field)})")
+    for heads in ("num_attention_heads", "num_key_value_heads"):  # each rank computes whole heads
+        if getattr(model.config, heads) % tp:
+            raise SystemExit(f"--tp {tp} must divide the model's {heads} ({getattr(model.config, heads)})")
     if tp > 1:
         for layer in model.model.layers:
             qk_norm = QK_NORM_PLAN if hasattr(layer.self_attn, "q_norm") else {}
@@ -296,8 +293,7 @@ def load_weights(models, files, cfg, model_config):
 
 def on_first_rank(work, group=None):
     """work() on the group's first rank (default 0), sent to all: one answer; a SystemExit there stops every rank."""
-    group = group or dist.group.WORLD
-    box = [None]
+    box, group = [None], group or dist.group.WORLD
     if dist.get_rank(group) == 0:
         try:
             box[0] = work()
@@ -320,23 +316,21 @@ class HFEngine:
             self.model.load_state_dict(dict(bucket), strict=False)  # check_pushed_names vouches for the names
 
     @torch.no_grad()
-    def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):
+    def generate(self, prompts, temperature, top_p, budgets, stop_ids, seed):  # budgets: max new tokens per prompt
         longest, device = max(map(len, prompts)), self.model.device
         ids = torch.tensor([[self.pad_id] * (longest - len(p)) + p for p in prompts], device=device)  # left-padded
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
         with torch.random.fork_rng(devices=[]):  # seeded sampling that leaves the global RNG alone
             torch.manual_seed(seed)
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(budgets),
                                       eos_token_id=stop_ids, pad_token_id=self.pad_id, return_dict_in_generate=True,
                                       output_logits=True, **sampling)
         logprobs = torch.log_softmax(torch.stack(out.logits, 1).float() / (temperature or 1.0), -1)  # [N, T, V]
-        samples = []
-        for prompt, seq, token_logprobs in zip(prompts, out.sequences[:, longest:].tolist(), logprobs):
-            end = next((t + 1 for t, tok in enumerate(seq) if tok in stop_ids), len(seq))  # generate pads after
-            picked = token_logprobs[torch.arange(end), seq[:end]].cpu()
-            samples.append(Sample(prompt_ids=prompt, response_ids=seq[:end], engine_logprobs=picked))
-        return samples
+        seqs = [seq[:next((t + 1 for t, tok in enumerate(seq[:budget]) if tok in stop_ids), min(budget, len(seq)))]
+                for seq, budget in zip(out.sequences[:, longest:].tolist(), budgets)]  # to a stop, or the budget
+        return [Sample(prompt, seq, [True] * len(seq), lps[torch.arange(len(seq)), seq].cpu())
+                for prompt, seq, lps in zip(prompts, seqs, logprobs)]
 
 
 class SGLangEngine:
@@ -359,11 +353,12 @@ class SGLangEngine:
         self.engine.generate(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
         self.released = False
 
-    def generate(self, prompts, temperature, top_p, max_new_tokens, stop_ids, seed):  # seed: hf only; SGLang: --seed
-        params = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+    def generate(self, prompts, temperature, top_p, budgets, stop_ids, seed):  # seed: hf only; SGLang: --seed
+        sampling = dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_ids)
+        params = [dict(sampling, max_new_tokens=n) for n in budgets]
         outputs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-        return [Sample(prompt_ids=prompt, response_ids=out["output_ids"],
-                       engine_logprobs=torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]))
+        return [Sample(prompt, out["output_ids"], [True] * len(out["output_ids"]),
+                       torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]))
                 for prompt, out in zip(prompts, outputs)]
 
     def release_memory(self):  # after each rollout: the training phase gets the engine's weights and KV cache memory
@@ -462,18 +457,36 @@ def push_weights(model, engine, cfg, tp_group):
         torch.cuda.ipc_collect()  # free the buckets whose IPC handles the engine has released
 
 
-def generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, seed, tp_group, n, temperature):
-    """n scored samples per prompt from this tp group's engine; the tracebacks of failed reward_fn calls."""
-    prompts = [reward.encode_prompt(tokenizer, row["prompt"], cfg.plain_template) for row in rows for _ in range(n)]
-    stop_ids = reward.stop_token_ids(tokenizer)
-    samples = on_first_rank(
-        lambda: engine.generate(prompts, temperature, cfg.top_p, cfg.max_new_tokens, stop_ids, seed), tp_group)
+def generate_rollouts(engine, workers, tokenizer, rows, cfg, seed, n, temperature):
+    """On the engine's rank: n scored samples per row, failed reward_fn calls' tracebacks. With --tool, in turns: at a
+    stop that closes a ```python block the workers run it, and its output is appended as unsampled tokens."""
+    stop_ids, fence_ids = reward.stop_token_ids(tokenizer), reward.fence_token_ids(tokenizer) if cfg.tool else []
+    samples = [Sample(reward.encode_prompt(tokenizer, row["prompt"], cfg.plain_template), [], [], torch.zeros(0))
+               for row in rows for _ in range(n)]
+    running = samples
+    while running:
+        turns = engine.generate([s.prompt_ids + s.response_ids for s in running], temperature, cfg.top_p,
+                                [cfg.max_new_tokens - len(s.response_ids) for s in running], stop_ids + fence_ids, seed)
+        for s, turn in zip(running, turns):
+            s.response_ids += turn.response_ids
+            s.sampled += turn.sampled
+            s.engine_logprobs = torch.cat([s.engine_logprobs, turn.engine_logprobs])
+        running = [s for s, turn in zip(running, turns) if turn.response_ids and turn.response_ids[-1] in fence_ids]
+        # A block runs on any turn but the last, with budget left for its output; other stops simply go on.
+        runs = [len(s.tool_outputs) < cfg.max_turns - 1 and len(s.response_ids) < cfg.max_new_tokens for s in running]
+        texts = [tokenizer.decode(s.response_ids) if run else "" for s, run in zip(running, runs)]  # "": no run
+        for s, (output, reply) in zip(running, workers.run_tools(texts)):  # no reply: generation goes on
+            ids = tokenizer(reply, add_special_tokens=False).input_ids[:cfg.max_new_tokens - len(s.response_ids)]
+            s.response_ids += ids
+            s.sampled += [False] * len(ids)
+            s.tool_outputs += [output] if reply else []
+        running = [s for s in running if len(s.response_ids) < cfg.max_new_tokens]
+        seed += 1  # HFEngine's next round samples afresh
     completions = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-    items = [row for row in rows for _ in range(n)]
-    scores, errors = on_first_rank(lambda: reward_workers.score(completions, items), tp_group)
-    for sample, value in zip(samples, scores):  # truncated: by the last token, as SGLang versions differ at the limit
-        sample.score = value
-        sample.truncated = not sample.response_ids or sample.response_ids[-1] not in stop_ids
+    scores, errors = workers.score(completions, [row for row in rows for _ in range(n)])
+    for s, score in zip(samples, scores):  # truncated: by the last token, as SGLang versions differ at the limit
+        s.score, s.truncated = score, not s.response_ids or s.response_ids[-1] not in stop_ids
+        s.reward = score + reward.overlong_penalty(len(s.response_ids), cfg.max_new_tokens, cfg.overlong_buffer)
     return samples, errors
 
 
@@ -484,13 +497,10 @@ def collect_rollouts(engine, reward_workers, dataset, tokenizer, cfg, step, mesh
     for sampling_round in range(cfg.dynamic_sampling_rounds + 1):
         rows = step_rows(dataset, step, cfg, dp_rank, dp, sampling_round)
         seed = hash((cfg.seed, step, sampling_round, dp_rank))
-        samples, failed = generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, seed, tp_group,
-                                            cfg.group_size, cfg.temperature)
+        samples, failed = on_first_rank(lambda: generate_rollouts(
+            engine, reward_workers, tokenizer, rows, cfg, seed, cfg.group_size, cfg.temperature), tp_group)
         errors += failed
-        for s in samples:
-            s.reward = s.score + reward.overlong_penalty(len(s.response_ids), cfg.max_new_tokens, cfg.overlong_buffer)
-        for i in range(0, len(samples), cfg.group_size):
-            group = samples[i:i + cfg.group_size]
+        for group in (samples[i:i + cfg.group_size] for i in range(0, len(samples), cfg.group_size)):
             no_signal = len({s.score for s in group}) == 1  # as DAPO: on reward_fn's score, not the shaping
             (dropped if no_signal and cfg.dynamic_sampling_rounds else kept).append(group)
         if len(kept) >= len(rows):
@@ -502,9 +512,7 @@ def collect_rollouts(engine, reward_workers, dataset, tokenizer, cfg, step, mesh
 def group_advantages(rewards, group_size, scale_std=True, eps=1e-6):
     """(r - group mean) / (group std + eps), std unbiased as in GRPO; without the division for Dr. GRPO."""
     r = rewards.view(-1, group_size).double()
-    adv = r - r.mean(1, keepdim=True)
-    if scale_std:
-        adv = adv / (r.std(1, keepdim=True) + eps)
+    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps if scale_std else 1.0)
     return adv.masked_fill((r == r[:, :1]).all(1, keepdim=True), 0.0).view(-1)  # equal rewards: no signal, 0
 
 
@@ -536,7 +544,7 @@ def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
 
 
 def response_logprobs(model, samples, cfg, tp_mesh, pad_id):
-    """Response log-probs and entropies [N]; lm_head per --logprob_chunk, recomputed: one chunk's logits at a time."""
+    """Log-probs and entropies [N] of the sampled response tokens; lm_head per --logprob_chunk, recomputed."""
     seqs, device = [s.prompt_ids + s.response_ids for s in samples], torch.device(tp_mesh.device_type)
     longest = max(map(len, seqs))
     ids = torch.tensor([q + [pad_id] * (longest - len(q)) for q in seqs], device=device)  # right-padded
@@ -544,8 +552,9 @@ def response_logprobs(model, samples, cfg, tp_mesh, pad_id):
     no_logits = torch.zeros(0, dtype=torch.long, device=device)
     out = model(input_ids=ids, attention_mask=mask, logits_to_keep=no_logits, output_hidden_states=True)
     last = out.hidden_states[-1]  # the final norm's output [B, T, H]; position t predicts token t + 1
-    hidden = torch.cat([last[b, len(s.prompt_ids) - 1:len(seqs[b]) - 1] for b, s in enumerate(samples)])
-    targets = torch.tensor([t for s in samples for t in s.response_ids], device=device)
+    sampled = torch.tensor([m for s in samples for m in s.sampled], device=device)  # tool output: no log-prob taken
+    hidden = torch.cat([last[b, len(s.prompt_ids) - 1:len(seqs[b]) - 1] for b, s in enumerate(samples)])[sampled]
+    targets = torch.tensor([t for s in samples for t in s.response_ids], device=device)[sampled]
     # lm_head, a root parameter, stays unsharded until backward; as DTensors, backward gathers its grad, sums hidden's.
     weight = DTensor.from_local(model.lm_head.weight, tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(0)])
     hidden = DTensor.from_local(hidden, tp_mesh, [Replicate()])
@@ -615,12 +624,12 @@ def engine_mismatch(trainer_logp, engine_logp, cfg, lengths):
 
 def set_loss_weights(samples, cfg, dp_group):
     """Per-token loss_weight by --loss_agg, from counts over all ranks, times dp (FSDP averages gradients over dp)."""
-    counts = torch.tensor([sum(len(s.response_ids) for s in samples), len(samples)], dtype=torch.float64)
+    counts = torch.tensor([sum(sum(s.sampled) for s in samples), len(samples)], dtype=torch.float64)
     dist.all_reduce(counts, group=dp_group)  # response tokens and sequences of the whole mini-batch
     (tokens, sequences), dp = counts.tolist(), dist.get_world_size(dp_group)
     for s in samples:
         if cfg.loss_agg == "sequence":  # each sequence's token mean, then the mean over sequences (GRPO)
-            s.loss_weight = dp / (max(len(s.response_ids), 1) * sequences)
+            s.loss_weight = dp / (max(sum(s.sampled), 1) * sequences)
         else:  # every token alike: over the tokens (DAPO), or over sequences x the length limit (Dr. GRPO)
             s.loss_weight = dp / (tokens if cfg.loss_agg == "token" else cfg.max_new_tokens * sequences)
 
@@ -659,12 +668,12 @@ def micro_batches(samples, cfg):
 
 
 @torch.no_grad()
-def store_logprobs(model, samples, field, cfg, mesh, pad_id):
-    """The model's log-probs of each sample's response tokens, without grad, into sample.<field>."""
+def store_logprobs(model, samples, into, cfg, mesh, pad_id):
+    """The model's log-probs of each sample's sampled response tokens, without grad, into sample.<into>."""
     for batch in micro_batches(samples, cfg):
         logp = response_logprobs(model, batch, cfg, mesh["tp"], pad_id)[0]
-        for sample, values in zip(batch, logp.split([len(s.response_ids) for s in batch])):
-            setattr(sample, field, values)
+        for sample, values in zip(batch, logp.split([sum(s.sampled) for s in batch])):
+            setattr(sample, into, values)
 
 
 def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id):
@@ -677,7 +686,7 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id):
         for batch in micro_batches(minibatch, cfg):
             logp, entropy = response_logprobs(model, batch, cfg, mesh["tp"], pad_id)
             old_logp = logp.detach() if start == 0 else torch.cat([s.old_logprobs for s in batch]).to(device)
-            lengths = torch.tensor([len(s.response_ids) for s in batch], device=device)
+            lengths = torch.tensor([sum(s.sampled) for s in batch], device=device)
             advantages = torch.tensor([s.advantage for s in batch], device=device).repeat_interleave(lengths)
             weights = torch.tensor([s.loss_weight for s in batch], device=device).repeat_interleave(lengths)
             engine_logp = torch.cat([s.engine_logprobs for s in batch]).to(device)
@@ -715,20 +724,21 @@ def reduce_over_ranks(sums, maxes, mesh):
 
 def step_metrics(samples, train_sums, errors, dropped, times, stop_requested, lr, mesh):
     """The step's numbers over all ranks, as logged (means, maxima, counts), and whether any rank was asked to stop."""
-    lengths, scores = [len(s.response_ids) for s in samples], [s.score for s in samples]
+    lengths, scores = [sum(s.sampled) for s in samples], [s.score for s in samples]  # tool output is not counted
     sums = dict(train_sums, reward=sum(scores), accuracy=sum(x >= 1 for x in scores), samples=len(samples),
                 response_len=sum(lengths), truncated=sum(s.truncated for s in samples), reward_errors=len(errors),
-                groups_dropped=dropped)
+                groups_dropped=dropped, turns=sum(len(s.tool_outputs) + sum(s.sampled[-1:]) for s in samples),
+                **reward.tool_counts([s.tool_outputs for s in samples]))  # turns: a turn ends in each tool output
     maxes = {"response_len_max": max(lengths), "grad_norm": sums.pop("grad_norm"),
              "skipped_steps": sums.pop("skipped_steps"), "stop": float(stop_requested)}
     sums, maxes = reduce_over_ranks(sums, maxes, mesh)
     stopping = maxes.pop("stop") > 0  # a signal seen by any rank stops all of them after this step
-    per_sample_keys = ("reward", "accuracy", "response_len", "truncated", "is_masked_responses")
+    per_sample_keys = "reward accuracy response_len truncated is_masked_responses tool_calls tool_use turns".split()
     metrics = {k: sums[k] / sums["samples"] for k in per_sample_keys}
     per_token_keys = ("entropy", "kl", "clip_frac", "mismatch_abs", "mismatch_kl", "is_masked_tokens")
     metrics.update({k: sums[k] / max(sums["tokens"], 1) for k in per_token_keys}, **maxes)
-    metrics.update(times, reward_errors=sums["reward_errors"], groups_dropped=sums["groups_dropped"], lr=lr,
-                   tokens_per_s=sums["response_len"] / times["time_step"])  # times: this rank's, total and parts
+    counts = {k: sums[k] for k in ("reward_errors", "groups_dropped", "tool_errors", "tool_timeouts")}
+    metrics.update(times, **counts, lr=lr, tokens_per_s=sums["response_len"] / times["time_step"])  # times: rank 0's
     return metrics, stopping
 
 
@@ -753,51 +763,49 @@ def open_run_dir(cfg, start_step, wandb_id):
     return wandb.init(project=cfg.wandb_project, config=asdict(cfg), id=wandb_id, resume="allow", dir=cfg.out_dir)
 
 
-def log_step(step, metrics, cfg, wandb_run):
-    """One line on the console (every number is in metrics.jsonl), one JSON line in metrics.jsonl, and wandb."""
+def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
+    """One line on the console (every number is in metrics.jsonl), one JSON line in metrics.jsonl, and wandb; every
+    --sample_every steps, a sampled prompt and completion with its reward, on the console and in a wandb table."""
     line = ("step {step}/{steps} | reward {reward:.3f} acc {accuracy:.2f} | len {response_len:.0f} | ent {entropy:.2f}"
             " kl {kl:.4f} | {time_step:.1f}s (gen {time_rollout:.1f} train {time_train:.1f} push {time_push:.1f})"
             " | eta {eta}").format(step=step + 1, steps=cfg.steps, **metrics,
                                    eta=datetime.timedelta(seconds=round(metrics["eta_s"])))
     problems = "".join(f" | {k} {metrics[k]:.0f}" for k in ("reward_errors", "skipped_steps") if metrics[k])  # not 0
+    problems = (" | tool {tool_calls:.1f}/sample".format(**metrics) if cfg.tool else "") + problems
     evals = " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_") and k != "eval_prompts")
     print(line + problems + (f"\n  eval ({metrics['eval_prompts']:.0f} prompts): {evals}" if evals else ""), flush=True)
     finite = {k: v if math.isfinite(v) else None for k, v in metrics.items()}  # strict JSON: a NaN norm is null
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": step + 1, **finite}) + "\n")
+    if cfg.sample_every > 0 and (step + 1) % cfg.sample_every == 0:
+        row = dict(step=step + 1, prompt=tokenizer.decode(sample.prompt_ids),
+                   completion=tokenizer.decode(sample.response_ids), reward=sample.reward)
+        print(f"  sample (reward {sample.reward:.3f}):\n{row['prompt']}{row['completion']}", flush=True)
+        if wandb_run is not None:
+            import wandb
+            metrics = dict(metrics, sample=wandb.Table(columns=list(row), data=[list(row.values())]))
     if wandb_run is not None:
         wandb_run.log(metrics, step=step + 1)
-
-
-def show_sample(step, sample, tokenizer, cfg, wandb_run):
-    """A sampled prompt and completion with its reward: on the console, and in a wandb table."""
-    row = dict(step=step + 1, prompt=tokenizer.decode(sample.prompt_ids),
-               completion=tokenizer.decode(sample.response_ids), reward=sample.reward)
-    print(f"  sample (reward {sample.reward:.3f}):\n{row['prompt']}{row['completion']}", flush=True)
-    if wandb_run is not None:
-        import wandb
-        wandb_run.log({"sample": wandb.Table(columns=list(row), data=[list(row.values())])}, step=step + 1)
 
 
 def evaluate(engine, tokenizer, test_set, reward_workers, cfg, mesh):
     """Greedy accuracy, mean@k and pass@k (of k samples at --eval_temperature) on --eval_prompts held-out prompts."""
     dp_rank, dp, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["tp"].get_group()
     rows = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
-    sums = dict.fromkeys(("greedy", "mean_at_k", "pass_at_k", "prompts"), 0.0)
-    if rows:
-        def solved(n, temp):  # [len(rows), n]: reward 1.0
-            samples, _ = generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, cfg.seed, tp_group, n, temp)
-            return torch.tensor([s.score for s in samples]).view(-1, n) >= 1
-        sampled = solved(cfg.eval_k, cfg.eval_temperature)
-        sums = {"greedy": solved(1, 0.0).sum().item(), "mean_at_k": sampled.float().mean(1).sum().item(),
-                "pass_at_k": sampled.any(1).sum().item(), "prompts": len(rows)}
+    def solved(n, temp):  # [len(rows), n]: reward 1.0; a rank without rows (more ranks than prompts) has [0, n]
+        samples, _ = on_first_rank(
+            lambda: generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, cfg.seed, n, temp), tp_group)
+        return torch.tensor([s.score for s in samples]).view(-1, n) >= 1
+    sampled = solved(cfg.eval_k, cfg.eval_temperature)
+    sums = {"greedy": solved(1, 0.0).sum().item(), "mean_at_k": sampled.float().mean(1).sum().item(),
+            "pass_at_k": sampled.any(1).sum().item(), "prompts": len(rows)}
     sums, _ = reduce_over_ranks(sums, {}, mesh)
     n = max(sums.pop("prompts"), 1)
     return {"eval_greedy_acc": sums["greedy"] / n, f"eval_mean@{cfg.eval_k}": sums["mean_at_k"] / n,
             f"eval_pass@{cfg.eval_k}": sums["pass_at_k"] / n, "eval_prompts": n}
 
 
-def save_checkpoint(cfg, step, model, optimizer, scheduler, tokenizer, wandb_id):
+def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id):
     """checkpoints/step_N: hf/, dcp/, trainer_state.json (data and sampling are seeded by step); .tmp, then renamed."""
     rank, final = dist.get_rank(), os.path.join(cfg.out_dir, "checkpoints", f"step_{step:06d}")
     tmp = final + ".tmp"
@@ -806,15 +814,14 @@ def save_checkpoint(cfg, step, model, optimizer, scheduler, tokenizer, wandb_id)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         dist.barrier()
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
+        dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=f"{tmp}/dcp")
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:  # config and safetensors files of 5 GB at most, which load_weights streams one at a time
             model.save_pretrained(os.path.join(tmp, "hf"), state_dict=full, max_shard_size="5GB")
             tokenizer.save_pretrained(os.path.join(tmp, "hf"))
             for file in glob.glob(os.path.join(tmp, "hf", "*")):
                 os.chmod(file, 0o644)  # transformers writes the weights 0600; readable like the rest
-            state = {"step": step, "scheduler": scheduler.state_dict(), "wandb_id": wandb_id}
+            state = {"step": step, "wandb_id": wandb_id}  # the learning rate is a function of the step
             pathlib.Path(tmp, "trainer_state.json").write_text(json.dumps(state))
             os.replace(tmp, final)
             for old in complete_checkpoints(cfg.out_dir)[:-cfg.keep_checkpoints]:
@@ -849,16 +856,14 @@ def resume_folder(cfg, model_config):
     return path
 
 
-def resume(path, model, optimizer, scheduler):
+def resume(path, model, optimizer):
     """Restore what save_checkpoint wrote in `path` ("": a fresh start); returns (step, wandb id)."""
     if not path:
         return 0, None
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
     dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer_state = json.loads(pathlib.Path(path, "trainer_state.json").read_text())
-    scheduler.load_state_dict(trainer_state["scheduler"])
     return trainer_state["step"], trainer_state["wandb_id"]
 
 
@@ -925,15 +930,13 @@ def main():
     with announce(f"loading {cfg.model} and the engine{', resuming ' + resumed_from if resumed_from else ''}", rank):
         mesh = init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
         model = build_model(model_config, mesh, device, cfg.activation_checkpointing)
-        ref_model = None
-        if cfg.beta > 0:  # frozen: its log-probs are only read
-            ref_model = build_model(model_config, mesh, device, offload=cfg.ref_on_cpu).requires_grad_(False)
+        ref_model = (build_model(model_config, mesh, device, offload=cfg.ref_on_cpu).requires_grad_(False)
+                     if cfg.beta > 0 else None)  # frozen: its log-probs are only read
         load_weights([model, ref_model] if ref_model else [model], files, cfg, model_config)
         check_pushed_names(model, model_config)
         # Before any forward: FSDP2 then leaves root parameters unsharded, and an optimizer would hold stale tensors.
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, cfg=cfg))
-        start_step, wandb_id = resume(resumed_from, model, optimizer, scheduler)
+        start_step, wandb_id = resume(resumed_from, model, optimizer)
         wandb_run = open_run_dir(cfg, start_step, wandb_id) if rank == 0 else None
         # Forked before the engine and the signal handlers exist. Rank 0 shows the first failed call's traceback.
         reward_workers = reward.RewardWorkers(cfg.reward_workers, cfg.reward_timeout, show_first_error=rank == 0)
@@ -952,15 +955,15 @@ def main():
             if isinstance(engine, SGLangEngine):
                 engine.release_memory()
             rollout_done = time.perf_counter()
-            # --- log-probs before the update: the policy's (mini-batches after the first), the reference's
-            first_stored = 0 if cfg.kl_in_reward else len(samples) // cfg.num_minibatches
+            first_stored = 0 if cfg.kl_in_reward else len(samples) // cfg.num_minibatches  # the first's: at its step
             store_logprobs(model, samples[first_stored:], "old_logprobs", cfg, mesh, pad_id)
             if ref_model is not None:
                 store_logprobs(ref_model, samples, "ref_logprobs", cfg, mesh, pad_id)
                 ref_model.reshard()  # FSDP keeps root parameters whole after a forward that has no backward
             set_advantages(samples, cfg)  # within each group of G
+            for group in optimizer.param_groups:  # a function of the step, so a resumed run has nothing to restore
+                group["lr"] = cfg.lr * lr_factor(step, cfg)
             train_sums = train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id)  # loss and update
-            scheduler.step()
             train_done = time.perf_counter()
             push_weights(model, engine, cfg, tp_group)  # the new weights into the engine
             end = time.perf_counter()
@@ -968,18 +971,16 @@ def main():
                          time_push=end - train_done, time_step=end - start,
                          eta_s=(end - run_start) / (step + 1 - start_step) * (cfg.steps - step - 1))
             metrics, stopping = step_metrics(samples, train_sums, errors, dropped, times, stop.is_set(),
-                                             scheduler.get_last_lr()[0], mesh)
+                                             optimizer.param_groups[0]["lr"], mesh)
             last = step + 1 == cfg.steps
             if cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):  # evaluate, then log
                 with announce(f"evaluating on {min(cfg.eval_prompts, len(test_set))} held-out prompts", rank):
                     metrics.update(evaluate(engine, tokenizer, test_set, reward_workers, cfg, mesh))
             if rank == 0:
-                log_step(step, metrics, cfg, wandb_run)
-                if cfg.sample_every > 0 and (step + 1) % cfg.sample_every == 0:
-                    show_sample(step, samples[0], tokenizer, cfg, wandb_run)
+                log_step(step, metrics, cfg, wandb_run, samples[0], tokenizer)
             if stopping or last or (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0):  # on a signal: save, stop
                 with announce(f"saving the checkpoint of step {step + 1}", rank):
-                    path = save_checkpoint(cfg, step + 1, model, optimizer, scheduler, tokenizer,
+                    path = save_checkpoint(cfg, step + 1, model, optimizer, tokenizer,
                                            wandb_run.id if wandb_run else wandb_id)
             if stopping:
                 if rank == 0:

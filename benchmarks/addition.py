@@ -36,7 +36,8 @@ def held_out_greedy_accuracy(folder, cfg):
     test_set = train.PromptDataset(cfg, "test")
     items = [test_set[i] for i in range(cfg.eval_prompts)]
     prompts = [reward.encode_prompt(tokenizer, item["prompt"]) for item in items]
-    samples = engine.generate(prompts, 0.0, 1.0, cfg.max_new_tokens, reward.stop_token_ids(tokenizer), cfg.seed)
+    samples = engine.generate(prompts, 0.0, 1.0, [cfg.max_new_tokens] * len(prompts), reward.stop_token_ids(tokenizer),
+                              cfg.seed)
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     return sum(reward.reward_fn(text, item) >= 1 for text, item in zip(texts, items)) / len(items)
 

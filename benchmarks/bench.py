@@ -78,8 +78,8 @@ def padding(batches):
 
 def padding_fractions():
     g = torch.Generator().manual_seed(0)  # responses of 200 to 2,000 tokens: lengths vary 10x
-    samples = [train.Sample([1] * 100, [2] * int(torch.randint(200, 2001, (1,), generator=g)), None)
-               for _ in range(64)]
+    lengths = [int(torch.randint(200, 2001, (1,), generator=g)) for _ in range(64)]
+    samples = [train.Sample([1] * 100, [2] * n, [True] * n, None) for n in lengths]
     fixed = train.micro_batches(samples, train.Config(micro_batch_size=8))
     budget = run_ranks(lambda rank, world: padding(train.micro_batches(
         samples, train.Config(max_tokens_per_microbatch=8 * 2100))), 1)[0]
@@ -111,7 +111,7 @@ def logits_peak_trainer(rank, world, sequences, length, hidden_size, chunk):
     """train.py's response_logprobs on a 1-layer model with Qwen's vocabulary, vocabulary-sharded over tp = world."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(hidden_size, 1))
-    samples = [train.Sample([1] * 48, torch.randint(3, VOCAB, (length - 48,)).tolist(), None)
+    samples = [train.Sample([1] * 48, torch.randint(3, VOCAB, (length - 48,)).tolist(), [True] * (length - 48), None)
                for _ in range(sequences)]
     tp_mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))["tp"]
     cfg = train.Config(logprob_chunk=chunk)
@@ -138,7 +138,8 @@ def stages(rank, world, folder):
     _, t_push, m_push = measure(lambda: train.push_weights(model, engine, push_cfg, mesh["tp"].get_group()))
     g = torch.Generator().manual_seed(rank)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (16, 32, 48, 64) for _ in range(4)]
-    samples, t_gen, m_gen = measure(lambda: engine.generate(prompts, 1.0, 1.0, cfg.max_new_tokens, [2], seed=rank))
+    samples, t_gen, m_gen = measure(lambda: engine.generate(prompts, 1.0, 1.0, [cfg.max_new_tokens] * len(prompts), [2],
+                                                                  seed=rank))
     for sample in samples:
         sample.advantage = float(torch.randn(1, generator=g))
     _, t_logp, m_logp = measure(lambda: train.store_logprobs(model, samples, "old_logprobs", cfg, mesh, 0))

@@ -47,13 +47,16 @@ class Engine:
         the limit, which 0.5.17 reports as finish_reason "length"."""
         assert not self.offload_tags, f"generate with released memory {self.offload_tags}: garbage or a crash"
         assert all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in input_ids)
-        unknown = set(sampling_params) - SAMPLING_PARAMS
+        per_request = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(input_ids)
+        assert len(per_request) == len(input_ids), "sglang takes one sampling_params, or one per request"
+        unknown = set().union(*per_request) - SAMPLING_PARAMS
         if unknown:
             raise TypeError(f"SamplingParams has no {sorted(unknown)}")
-        self.calls.append(("generate", len(input_ids), dict(sampling_params)))
-        limit, stop = sampling_params.get("max_new_tokens", 128), sorted(sampling_params.get("stop_token_ids", [2]))
+        self.calls.append(("generate", len(input_ids), [dict(p) for p in sampling_params]
+                           if isinstance(sampling_params, list) else dict(sampling_params)))
         outputs = []
-        for i in range(len(input_ids)):
+        for i, params in enumerate(per_request):
+            limit, stop = params.get("max_new_tokens", 128), sorted(params.get("stop_token_ids", [2]))
             body = [1000 + 10 * i + j for j in range({0: min(2, limit - 1), 1: limit, 2: limit - 1}[i % 3])]
             ids = body if i % 3 == 1 else body + [stop[0]]
             assert not set(body) & set(stop)

@@ -495,11 +495,11 @@ def test_a_reward_fn_that_fails_on_every_item_stops_the_run_in_one_line(monkeypa
 def test_resuming_a_checkpoint_of_another_model_is_refused_before_loading(tmp_path):
     from transformers import Qwen2Config
     checkpoint = tmp_path / "checkpoints" / "step_000004"
-    Qwen2Config(vocab_size=103, **train.TINY_MODEL).save_pretrained(checkpoint / "hf")
+    Qwen2Config(vocab_size=103, **reward.TINY_MODEL).save_pretrained(checkpoint / "hf")
     (checkpoint / "trainer_state.json").write_text("{}")
     cfg = train.Config(out_dir=str(tmp_path), resume="auto")
-    assert train.resume_folder(cfg, Qwen2Config(vocab_size=103, **train.TINY_MODEL)) == str(checkpoint)
-    bigger = Qwen2Config(vocab_size=103, **dict(train.TINY_MODEL, hidden_size=128))
+    assert train.resume_folder(cfg, Qwen2Config(vocab_size=103, **reward.TINY_MODEL)) == str(checkpoint)
+    bigger = Qwen2Config(vocab_size=103, **dict(reward.TINY_MODEL, hidden_size=128))
     with pytest.raises(SystemExit, match=f"--resume {checkpoint}: a checkpoint of another model \\(hidden_size 64, "
                                          "--model's 128\\): pass the --model it was trained from"):
         train.resume_folder(cfg, bigger)

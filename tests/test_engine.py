@@ -27,7 +27,7 @@ def tiny_engine(seed=0):
 
 def test_samples_end_at_the_first_stop_token_or_the_length_limit():
     engine, _ = tiny_engine()
-    samples = engine.generate(PROMPTS * 20, 1.0, 1.0, 12, STOP, seed=0)
+    samples = engine.generate(PROMPTS * 20, 1.0, 1.0, [12] * 60, STOP, seed=0)
     stopped = [s.response_ids[-1] in STOP for s in samples]
     assert any(stopped) and not all(stopped)
     for s, stop in zip(samples, stopped):
@@ -39,7 +39,7 @@ def test_samples_end_at_the_first_stop_token_or_the_length_limit():
 def test_engine_logprobs_are_those_of_the_tempered_distribution_it_samples():
     engine, model = tiny_engine()
     temperature = 0.7
-    samples = engine.generate(PROMPTS, temperature, 1.0, 10, STOP, seed=1)
+    samples = engine.generate(PROMPTS, temperature, 1.0, [10] * len(PROMPTS), STOP, seed=1)
     for prompt, s in zip(PROMPTS, samples):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + s.response_ids])).logits[0].double()
@@ -51,16 +51,16 @@ def test_engine_logprobs_are_those_of_the_tempered_distribution_it_samples():
 def test_same_seed_same_samples_and_the_global_rng_is_untouched():
     engine, _ = tiny_engine()
     state = torch.random.get_rng_state()
-    a = engine.generate(PROMPTS, 1.0, 1.0, 8, STOP, seed=7)
-    b = engine.generate(PROMPTS, 1.0, 1.0, 8, STOP, seed=7)
-    c = engine.generate(PROMPTS, 1.0, 1.0, 8, STOP, seed=8)
+    a = engine.generate(PROMPTS, 1.0, 1.0, [8] * len(PROMPTS), STOP, seed=7)
+    b = engine.generate(PROMPTS, 1.0, 1.0, [8] * len(PROMPTS), STOP, seed=7)
+    c = engine.generate(PROMPTS, 1.0, 1.0, [8] * len(PROMPTS), STOP, seed=8)
     assert [s.response_ids for s in a] == [s.response_ids for s in b] != [s.response_ids for s in c]
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
 def test_greedy_decoding_at_temperature_zero():
     engine, model = tiny_engine()
-    [s] = engine.generate(PROMPTS[:1], 0.0, 1.0, 6, [], seed=0)
+    [s] = engine.generate(PROMPTS[:1], 0.0, 1.0, [6], [], seed=0)
     ids = list(PROMPTS[0])
     with torch.no_grad():
         for _ in range(6):
@@ -83,8 +83,8 @@ def push_then_generate(rank, world, folder, dp, tp):
     tokenizer = reward.char_tokenizer()
     workers = reward.RewardWorkers(1, timeout=5.0)
     try:
-        samples, errors = train.generate_rollouts(engine, workers, tokenizer, rows, cfg, 5, mesh["tp"].get_group(), 3,
-                                                  1.0)
+        samples, errors = train.on_first_rank(
+            lambda: train.generate_rollouts(engine, workers, tokenizer, rows, cfg, 5, 3, 1.0), mesh["tp"].get_group())
     finally:
         workers.close()
     with torch.no_grad():
@@ -154,7 +154,7 @@ def informative_or_flat(completion, sample):
 def collect(rank, world, dataset, rounds):
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
     tokenizer = reward.char_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), **train.TINY_MODEL)
+    config = Qwen2Config(vocab_size=len(tokenizer), **reward.TINY_MODEL)
     engine = train.HFEngine(config, torch.device("cpu"), tokenizer.pad_token_id)
     cfg = train.Config(prompts_per_step=4, group_size=3, max_new_tokens=2, dynamic_sampling_rounds=rounds)
     workers = reward.RewardWorkers(2, timeout=5.0)

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen3Con
 
 pytest.importorskip("sglang.srt.utils", reason="needs sglang: pip install --no-deps -r requirements-sglang-cpu.txt")
 import fake_sglang_engine  # noqa: E402
+import reward  # noqa: E402
 import train  # noqa: E402
 from test_parallel import save_reference, sharded_model, tiny_config  # noqa: E402
 from workers import run_ranks  # noqa: E402
@@ -74,7 +75,7 @@ def test_engine_starts_with_the_arguments_the_design_needs(sglang, tmp_path, mon
 
 
 def test_engine_config_names_the_model_class(sglang, tmp_path):
-    tiny = Qwen2Config(vocab_size=103, **train.TINY_MODEL)  # as main builds it for --model tiny
+    tiny = Qwen2Config(vocab_size=103, **reward.TINY_MODEL)  # as main builds it for --model tiny
     assert [type(AutoModelForCausalLM.from_config(tiny)).__name__] == tiny.architectures
     saved = AutoConfig.from_pretrained(save_reference(tmp_path / "qwen3", "qwen3", True))  # a checkpoint's config
     for config, arch in ((tiny, "Qwen2ForCausalLM"), (saved, "Qwen3ForCausalLM")):
@@ -176,7 +177,7 @@ def test_released_memory_is_resumed_weights_first_then_kv_cache_after_the_flush(
         assert [tags for _, tags in resumes] == [["weights"], ["kv_cache"]]
         assert resumes[0][0] < updates[0] and resumes[1][0] > kinds.index("flush_cache") > updates[-1]
         assert not fake.offload_tags
-        engine.generate([[5, 6]], 1.0, 1.0, 4, [3], seed=0)  # the fake refuses to generate from released memory
+        engine.generate([[5, 6]], 1.0, 1.0, [4], [3], seed=0)  # the fake refuses to generate from released memory
         fake.calls.clear()
 
 
@@ -198,10 +199,10 @@ def test_a_failed_weight_update_raises_with_sglangs_message(sglang):
 def test_generate_keeps_ids_exactly_with_the_stop_token(sglang):
     engine, fake = start(sglang, "SessionEngine")
     prompts, stop, limit = [[5, 6, 7], [8, 9], [10, 11, 12], [13]], [3, 4], 6
-    samples = engine.generate(prompts, 0.7, 0.9, limit, stop, seed=1)
+    samples = engine.generate(prompts, 0.7, 0.9, [limit] * len(prompts), stop, seed=1)
     [(_, n, params)] = fake.calls
     assert n == len(prompts)
-    assert params == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": limit, "stop_token_ids": stop}
+    assert params == [{"temperature": 0.7, "top_p": 0.9, "max_new_tokens": limit, "stop_token_ids": stop}] * n
     raw = fake.generate(input_ids=prompts, sampling_params=params, return_logprob=True)  # deterministic
     for prompt, s, o in zip(prompts, samples, raw):
         assert s.prompt_ids == prompt and s.response_ids == o["output_ids"]  # the stop token stays in

@@ -33,7 +33,7 @@ def gpu_config():
 
 
 def rollout(engine, cfg, prompts):
-    samples = engine.generate(prompts, cfg.temperature, cfg.top_p, cfg.max_new_tokens, [2], seed=0)
+    samples = engine.generate(prompts, cfg.temperature, cfg.top_p, [cfg.max_new_tokens] * len(prompts), [2], seed=0)
     for prompt, s in zip(prompts, samples):
         s.prompt_ids = prompt
     return samples

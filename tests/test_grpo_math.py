@@ -133,7 +133,7 @@ def aggregated_loss(rank, world, loss_agg, lengths, max_new_tokens, ratio_level=
     """The trainer's loss for one batch of sequences (all on one rank): weights, then the weighted token sum."""
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
     g = torch.Generator().manual_seed(3)
-    samples = [train.Sample([], [0] * n, None) for n in lengths]
+    samples = [train.Sample([], [0] * n, [True] * n, None) for n in lengths]
     cfg = train.Config(loss_agg=loss_agg, max_new_tokens=max_new_tokens, clip_low=0.2, clip_high=0.28,
                        ratio_level=ratio_level)
     train.set_loss_weights(samples, cfg, mesh["dp"].get_group())
@@ -176,15 +176,16 @@ def test_loss_aggregation_follows_grpo_dapo_and_dr_grpo(loss_agg):
 
 
 def naive_logprobs(model, samples, temperature):
-    """Full-vocabulary softmax over whole sequences in float64, one sample at a time."""
+    """Full-vocabulary softmax over whole sequences in float64, one sample at a time; of the sampled tokens."""
     logps, ents = [], []
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.response_ids])
         logits = model(ids).logits[0].double() / temperature
         p = len(s.prompt_ids)
         log_probs = torch.log_softmax(logits[p - 1:-1], -1)
-        logps.append(log_probs.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1))
-        ents.append(-(log_probs.exp() * log_probs).sum(-1))
+        sampled = torch.tensor(s.sampled)  # tool output is context, not a prediction
+        logps.append(log_probs.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)[sampled])
+        ents.append(-(log_probs.exp() * log_probs).sum(-1)[sampled])
     return torch.cat(logps), torch.cat(ents)
 
 
@@ -261,12 +262,12 @@ def loss_weights(rank, world, loss_agg):
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
     samples = make_samples(6, seed=4)[rank * 3:(rank + 1) * 3]
     train.set_loss_weights(samples, train.Config(loss_agg=loss_agg, max_new_tokens=16), mesh["dp"].get_group())
-    return [s.loss_weight for s in samples for _ in s.response_ids]
+    return [s.loss_weight for s in samples for _ in range(sum(s.sampled))]
 
 
 def test_loss_weights_follow_the_aggregation_over_all_ranks():
     samples = make_samples(6, seed=4)
-    lengths = [len(s.response_ids) for s in samples]
+    lengths = [sum(s.sampled) for s in samples]  # tool output tokens carry no weight
     # FSDP averages over dp = 2, so each weight carries a factor 2.
     token = sum(run_ranks(loss_weights, 2, "token"), [])
     assert token == pytest.approx([2 / sum(lengths)] * sum(lengths))
@@ -471,7 +472,7 @@ def step_with_micro_batches(rank, world, folder, flags, micro_batch_size):
     train.store_logprobs(model, samples, "old_logprobs", cfg, mesh, 0)
     g = torch.Generator().manual_seed(14)
     for s in samples:
-        s.engine_logprobs = s.old_logprobs + 0.3 * torch.randn(len(s.response_ids), generator=g)
+        s.engine_logprobs = s.old_logprobs + 0.3 * torch.randn(sum(s.sampled), generator=g)
     sums = train.train_on_rollouts(model, optimizer, samples, cfg, mesh, 0)
     return before, weights(), {k: float(v) for k, v in sums.items()}
 

@@ -40,12 +40,16 @@ def sharded_model(folder, mesh, activation_checkpointing=False):
 
 
 def make_samples(n, seed):
+    """Every other sample has tool output inside its response: tokens in the forward pass that take no loss."""
     g = torch.Generator().manual_seed(seed)
     samples = []
-    for _ in range(n):
+    for i in range(n):
         prompt_len, response_len = torch.randint(2, 7, (2,), generator=g).tolist()
-        ids = torch.randint(1, VOCAB, (prompt_len + response_len,), generator=g).tolist()
-        samples.append(train.Sample(prompt_ids=ids[:prompt_len], response_ids=ids[prompt_len:],
+        ids = torch.randint(1, VOCAB, (prompt_len + response_len + 3 * (i % 2),), generator=g).tolist()
+        sampled = [True] * response_len
+        if i % 2:  # after the first sampled token
+            sampled[1:1] = [False] * 3
+        samples.append(train.Sample(prompt_ids=ids[:prompt_len], response_ids=ids[prompt_len:], sampled=sampled,
                                     engine_logprobs=torch.zeros(response_len),
                                     advantage=torch.randn((), generator=g).item()))
     return samples
@@ -56,16 +60,17 @@ def reference_step(model, minibatches, lr, max_norm, optimizer_name, clip_low=0.
     mini-batch, the ratio taken against the policy before the first step. Returns the mean grad norm."""
     optimizer = make_optimizer(optimizer_name, model.parameters(), lr)
 
-    def logprobs(s):
+    def logprobs(s):  # of the sampled response tokens; tool output is context only
         logits = model(torch.tensor([s.prompt_ids + s.response_ids])).logits[0].double()
         p = len(s.prompt_ids)
-        return torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
+        every = torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
+        return every[torch.tensor(s.sampled)]
 
     with torch.no_grad():
         old = [[logprobs(s) for s in minibatch] for minibatch in minibatches]
     norms = []
     for minibatch, old_logps in zip(minibatches, old):
-        total_tokens = sum(len(s.response_ids) for s in minibatch)
+        total_tokens = sum(sum(s.sampled) for s in minibatch)
         loss = 0.0
         for s, old_logp in zip(minibatch, old_logps):
             ratio = torch.exp(logprobs(s) - old_logp)
@@ -176,6 +181,35 @@ def test_micro_batches_fixed_or_by_token_budget_accumulate_to_the_full_batch_gra
         assert max(abs(split[k] - expected).max() for k, expected in initial_weights(folder).items()) > 1e-3
 
 
+def tool_output_gradients(rank, world, folder, tp):
+    """The trainer's loss on one response with tool output, every term on: the gradient at each position of the final
+    hidden states, and the step's token count."""
+    mesh = init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp", "tp"))
+    model = sharded_model(folder, mesh)
+    sample = make_samples(2, seed=3)[1]  # response tokens 1 to 3 are tool output
+    sample.old_logprobs, sample.ref_logprobs = torch.zeros(sum(sample.sampled)), torch.zeros(sum(sample.sampled))
+    hidden = {}
+
+    def keep(module, args, out):  # the final norm's output: the hidden states that lm_head reads
+        out.retain_grad()
+        hidden["out"] = out
+    model.model.norm.register_forward_hook(keep)
+    cfg = train.Config(beta=0.1, entropy_coef=0.1, tis_cap=2.0, micro_batch_size=1)
+    sums = train.train_on_rollouts(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample], cfg, mesh, 0)
+    start = len(sample.prompt_ids) - 1  # the position that predicts the first response token
+    grads = hidden["out"].grad[0, start:start + len(sample.response_ids)].abs().amax(-1)
+    return grads.tolist(), sample.sampled, sums["tokens"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tool_output_tokens_get_no_gradient_and_are_not_counted(tp, tmp_path):
+    grads, sampled, tokens = run_ranks(tool_output_gradients, tp, save_reference(tmp_path, "qwen2", False), tp)[0]
+    assert sampled == [True] + [False] * 3 + [True] * (len(sampled) - 4)
+    # Loss, KL, entropy and IS weights reach a position only through the token it predicts: none for tool output.
+    assert [g == 0 for g in grads] == [not m for m in sampled]
+    assert tokens == sum(sampled)
+
+
 def initial_weights(folder):
     return {k: v.numpy() for k, v in AutoModelForCausalLM.from_pretrained(folder).state_dict().items()}
 
@@ -187,8 +221,8 @@ def lengths_of(batches):
 def budget_batches(rank, world, budget):
     g = torch.Generator().manual_seed(rank)
     # Lengths vary 10x: rank 0 has mostly short sequences, rank 1 mostly long ones.
-    samples = [train.Sample([1] * 5, [2] * int(torch.randint(5, 50 if rank else 15, (1,), generator=g)), None)
-               for _ in range(16)]
+    lengths = [int(torch.randint(5, 50 if rank else 15, (1,), generator=g)) for _ in range(16)]
+    samples = [train.Sample([1] * 5, [2] * n, [True] * n, None) for n in lengths]
     batches = train.micro_batches(samples, train.Config(max_tokens_per_microbatch=budget))
     return lengths_of([samples]), lengths_of(batches)
 
@@ -223,8 +257,8 @@ def padding_fraction(batches):
 
 def test_token_budget_cuts_padding_when_lengths_vary_tenfold():
     g = torch.Generator().manual_seed(0)
-    samples = [train.Sample([1] * 10, [2] * int(torch.randint(20, 200, (1,), generator=g)), None)
-               for _ in range(64)]
+    lengths = [int(torch.randint(20, 200, (1,), generator=g)) for _ in range(64)]
+    samples = [train.Sample([1] * 10, [2] * n, [True] * n, None) for n in lengths]
     fixed = lengths_of(train.micro_batches(samples, train.Config(micro_batch_size=8)))
     run = run_ranks(lambda rank, world: padding_fraction(lengths_of(
         train.micro_batches(samples, train.Config(max_tokens_per_microbatch=8 * 210)))), 1)[0]

@@ -11,7 +11,6 @@ import pytest
 from transformers import Qwen2Config
 
 import reward
-import train
 from test_train import torchrun
 
 BAD_REWARD = '''
@@ -98,7 +97,7 @@ def test_a_worker_that_dies_is_replaced_at_once_and_the_others_still_score(bad_r
     finally:
         workers.close()
     assert rewards == [0.0, 1.0, 0.5, 0.0] and seconds < 2.0  # no wait for the 5 s timeout
-    assert len(errors) == 2 and all("reward worker died (exit code 3)" in e for e in errors)
+    assert len(errors) == 2 and all("reward_fn worker died (exit code 3)" in e for e in errors)
     assert again == ([1.0] * 3, [])
 
 
@@ -157,13 +156,13 @@ def test_a_failing_reward_fn_does_not_stop_training(tmp_path):
     steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
     assert any(" | reward_errors " in line for line in steps)  # the step line shows them when there are any
     assert not any("skipped_steps" in line for line in steps)  # and says nothing of what did not happen
-    shown = ("a bug in the user's reward", "TimeoutError", "not a finite number", "reward worker died", "KeyError")
+    shown = ("a bug in the user's reward", "TimeoutError", "not a finite number", "reward_fn worker died", "KeyError")
     assert any(failure in run.stdout for failure in shown)
 
 
 def test_heads_that_do_not_divide_by_tp_are_refused_before_loading(tmp_path):
     tokenizer = reward.char_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), **train.TINY_MODEL)
+    config = Qwen2Config(vocab_size=len(tokenizer), **reward.TINY_MODEL)
     config.num_attention_heads, config.num_key_value_heads = 6, 3  # 3 KV heads cannot be split in two
     config.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)

@@ -105,7 +105,7 @@ def test_a_model_folder_that_does_not_exist_is_one_line_naming_the_flag(tmp_path
 
 def test_a_truncated_safetensors_file_is_named_before_any_model_is_built(tmp_path):
     tokenizer = reward.char_tokenizer()
-    AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=len(tokenizer), **train.TINY_MODEL)).save_pretrained(
+    AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=len(tokenizer), **reward.TINY_MODEL)).save_pretrained(
         tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     weights = tmp_path / "model" / "model.safetensors"

@@ -1,0 +1,55 @@
+"""What a tool call costs: reward.run_python alone, and a round's tool calls run by RewardWorkers.run_tools.
+
+    python3 benchmarks/tool.py
+
+Prints the latency of one call (against a bare `python3 -c pass`) and the calls per second of a round of 64 calls
+with 1, 2, 4, ... workers (--reward_workers).
+"""
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import reward  # noqa: E402
+
+CODE = "import math\nprint(sum(math.comb(20, k) for k in range(21)))"  # a small computation, as a model writes
+RESPONSE = f"Let me compute it.\n```python\n{CODE}\n```\n"
+
+
+def mean_seconds(call, repeats=20):
+    call()  # warm: the interpreter's files in the page cache, the isolation probe done
+    start = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - start) / repeats
+
+
+def main():
+    interpreter = reward.tool_interpreter()
+    assert reward.run_python(CODE) == "1048576\n", reward.run_python(CODE)
+    bare = mean_seconds(lambda: subprocess.run([interpreter, "-c", "pass"], check=True))
+    tool = mean_seconds(lambda: reward.run_python(CODE))
+    print(f"cores: {os.cpu_count()}; namespaces: {'yes' if reward._isolation() else 'no'}; interpreter {interpreter}")
+    print(f"{'one call':<28}{'ms':>8}")
+    print(f"{'bare python3 -c pass':<28}{bare * 1e3:>8.1f}")
+    print(f"{'reward.run_python':<28}{tool * 1e3:>8.1f}")
+    print(f"\n{'workers':<10}{'64 calls, s':>12}{'calls/s':>10}")
+    workers = 1
+    while workers <= max(os.cpu_count(), 2):
+        pool = reward.RewardWorkers(workers, timeout=5.0)
+        try:
+            pool.run_tools([RESPONSE])  # started
+            start = time.perf_counter()
+            replies = pool.run_tools([RESPONSE] * 64)
+            seconds = time.perf_counter() - start
+        finally:
+            pool.close()
+        assert all(output == "1048576\n" for output, _ in replies)
+        print(f"{workers:<10}{seconds:>12.2f}{64 / seconds:>10.1f}")
+        workers *= 2
+
+
+if __name__ == "__main__":
+    main()
