@@ -585,16 +585,18 @@ class RewardWorkers:
             self.show_first_error = False
         return [value for value, _ in results], errors
 
-    def run_tools(self, responses: list[str]) -> list[tuple[str, str]]:
+    def run_tools(self, responses: list[str], tokenizer) -> list[tuple[str, list[int]]]:
         """For each response that ends with a ```python block: what run_python of its code printed (the runs in
-        parallel), and the reply to append to the response (output_block); ("", "") for the others."""
+        parallel), and the token ids of the reply to append (output_block); ("", []) for the others. A special token
+        that the code prints ("<|im_end|>") is tokenised as text: the code cannot end the response or fake a turn."""
         codes = {i: code for i, response in enumerate(responses) if (code := code_to_run(response)) is not None}
         calls = [(run_python, (code,)) for code in codes.values()]
         outputs, failed = self._run(calls, TOOL_TIMEOUT + 5.0, "the tool")
-        replies = [("", "")] * len(responses)
+        replies = [("", [])] * len(responses)
         for j, i in enumerate(codes):
             output = f"error: {failed[j]}" if j in failed else outputs[j]
-            replies[i] = (output, output_block(responses[i], output))
+            reply = output_block(responses[i], output)
+            replies[i] = (output, tokenizer(reply, add_special_tokens=False, split_special_tokens=True).input_ids)
         return replies
 
     def _run(self, calls: list[tuple], seconds: float, what: str) -> tuple[list, dict[int, str]]:

@@ -475,8 +475,8 @@ def generate_rollouts(engine, workers, tokenizer, rows, cfg, seed, n, temperatur
         # A block runs on any turn but the last, with budget left for its output; other stops simply go on.
         runs = [len(s.tool_outputs) < cfg.max_turns - 1 and len(s.response_ids) < cfg.max_new_tokens for s in running]
         texts = [tokenizer.decode(s.response_ids) if run else "" for s, run in zip(running, runs)]  # "": no run
-        for s, (output, reply) in zip(running, workers.run_tools(texts)):  # no reply: generation goes on
-            ids = tokenizer(reply, add_special_tokens=False).input_ids[:cfg.max_new_tokens - len(s.response_ids)]
+        for s, (output, reply) in zip(running, workers.run_tools(texts, tokenizer)):  # no reply: generation goes on
+            ids = reply[:cfg.max_new_tokens - len(s.response_ids)]
             s.response_ids += ids
             s.sampled += [False] * len(ids)
             s.tool_outputs += [output] if reply else []

@@ -36,13 +36,13 @@ def main():
     print(f"{'bare python3 -c pass':<28}{bare * 1e3:>8.1f}")
     print(f"{'reward.run_python':<28}{tool * 1e3:>8.1f}")
     print(f"\n{'workers':<10}{'64 calls, s':>12}{'calls/s':>10}")
-    workers = 1
+    tokenizer, workers = reward.char_tokenizer(), 1
     while workers <= max(os.cpu_count(), 2):
         pool = reward.RewardWorkers(workers, timeout=5.0)
         try:
-            pool.run_tools([RESPONSE])  # started
+            pool.run_tools([RESPONSE], tokenizer)  # started
             start = time.perf_counter()
-            replies = pool.run_tools([RESPONSE] * 64)
+            replies = pool.run_tools([RESPONSE] * 64, tokenizer)
             seconds = time.perf_counter() - start
         finally:
             pool.close()
