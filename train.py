@@ -327,8 +327,8 @@ class HFEngine:
                                       eos_token_id=stop_ids, pad_token_id=self.pad_id, return_dict_in_generate=True,
                                       output_logits=True, **sampling)
         logprobs = torch.log_softmax(torch.stack(out.logits, 1).float() / (temperature or 1.0), -1)  # [N, T, V]
-        seqs = [seq[:next((t + 1 for t, tok in enumerate(seq[:budget]) if tok in stop_ids), min(budget, len(seq)))]
-                for seq, budget in zip(out.sequences[:, longest:].tolist(), budgets)]  # to a stop, or the budget
+        seqs = [seq[:budget] for seq, budget in zip(out.sequences[:, longest:].tolist(), budgets)]  # below the batch's
+        seqs = [seq[:next((t + 1 for t, tok in enumerate(seq) if tok in stop_ids), len(seq))] for seq in seqs]  # stop
         return [Sample(prompt, seq, [True] * len(seq), lps[torch.arange(len(seq)), seq].cpu())
                 for prompt, seq, lps in zip(prompts, seqs, logprobs)]
 
@@ -464,7 +464,7 @@ def generate_rollouts(engine, workers, tokenizer, rows, cfg, seed, n, temperatur
     samples = [Sample(reward.encode_prompt(tokenizer, row["prompt"], cfg.plain_template), [], [], torch.zeros(0))
                for row in rows for _ in range(n)]
     running = samples
-    while running:
+    while running := [s for s in running if len(s.response_ids) < cfg.max_new_tokens]:  # budget left (all turns')
         turns = engine.generate([s.prompt_ids + s.response_ids for s in running], temperature, cfg.top_p,
                                 [cfg.max_new_tokens - len(s.response_ids) for s in running], stop_ids + fence_ids, seed)
         for s, turn in zip(running, turns):
@@ -480,7 +480,6 @@ def generate_rollouts(engine, workers, tokenizer, rows, cfg, seed, n, temperatur
             s.response_ids += ids
             s.sampled += [False] * len(ids)
             s.tool_outputs += [output] if reply else []
-        running = [s for s in running if len(s.response_ids) < cfg.max_new_tokens]
         seed += 1  # HFEngine's next round samples afresh
     completions = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     scores, errors = workers.score(completions, [row for row in rows for _ in range(n)])
@@ -770,8 +769,8 @@ def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
             " kl {kl:.4f} | {time_step:.1f}s (gen {time_rollout:.1f} train {time_train:.1f} push {time_push:.1f})"
             " | eta {eta}").format(step=step + 1, steps=cfg.steps, **metrics,
                                    eta=datetime.timedelta(seconds=round(metrics["eta_s"])))
+    line += f" | tool {metrics['tool_calls']:.1f}/sample" if cfg.tool else ""
     problems = "".join(f" | {k} {metrics[k]:.0f}" for k in ("reward_errors", "skipped_steps") if metrics[k])  # not 0
-    problems = (" | tool {tool_calls:.1f}/sample".format(**metrics) if cfg.tool else "") + problems
     evals = " | ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_") and k != "eval_prompts")
     print(line + problems + (f"\n  eval ({metrics['eval_prompts']:.0f} prompts): {evals}" if evals else ""), flush=True)
     finite = {k: v if math.isfinite(v) else None for k, v in metrics.items()}  # strict JSON: a NaN norm is null
