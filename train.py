@@ -73,7 +73,7 @@ class Config:
     overlong_buffer: int = 0  # > 0: DAPO's soft overlong penalty, 0 down to -1 over the last N tokens of the limit
     dynamic_sampling_rounds: int = 0  # > 0: DAPO's dynamic sampling, refilling dropped groups in up to N more rounds
     tis_cap: float = 0.0  # > 0: importance sampling against the engine / trainer mismatch, r = p_old / p_engine
-    is_mode: Literal["truncate", "mask"] = "truncate"  # with --tis_cap: weight min(r, cap), or 0 outside [1/cap, cap]
+    is_mode: Literal["truncate", "mask"] = "truncate"  # with --tis_cap: weight min(r, cap), or r masked to [1/cap, cap]
     is_level: Literal["token", "sequence"] = "token"  # with --tis_cap: r per token, or its response's geometric mean
     logprob_chunk: int = 1024  # response tokens per chunk of fp32 full-vocabulary logits
     steps: int = 200
@@ -616,9 +616,9 @@ def engine_mismatch(trainer_logp, engine_logp, cfg, lengths):
     ratio = log_ratio.exp()
     if cfg.is_mode == "truncate":
         return ratio.clamp(max=cfg.tis_cap), sums
-    masked = (ratio < 1 / cfg.tis_cap) | (ratio > cfg.tis_cap)
+    masked = (ratio < 1 / cfg.tis_cap) | (ratio > cfg.tis_cap)  # IcePop: r where kept, 0 outside the bound
     sums.update(is_masked_tokens=masked.sum(), is_masked_responses=(response_means(masked.float(), lengths) > 0).sum())
-    return (~masked).float(), sums
+    return ratio.masked_fill(masked, 0.0), sums
 
 
 def set_loss_weights(samples, cfg, dp_group):

@@ -422,9 +422,10 @@ def test_cispo_weights_every_tokens_log_prob_by_its_clipped_detached_ratio():
 
 
 @pytest.mark.parametrize("level, cap", [("token", 1.5), ("sequence", 1.1)])  # a response's mean strays less
-def test_masked_importance_sampling_drops_tokens_outside_the_bound_and_counts_them(level, cap):
-    """IcePop-style masking: r = p_trainer / p_engine per token, or its response's geometric mean (sequence);
-    tokens (or whole responses) with r outside [1 / cap, cap] get weight 0 and so no policy gradient."""
+def test_masked_importance_sampling_weights_kept_tokens_by_r_and_drops_the_rest(level, cap):
+    """IcePop (and TRL's token_mask, verl's rollout_is with both bounds): r = p_trainer / p_engine per token, or its
+    response's geometric mean (sequence); tokens (or whole responses) with r outside [1 / cap, cap] get weight 0 and
+    so no policy gradient, kept ones weight r. Reference: float64 arithmetic in Python."""
     lengths = [4, 6, 2, 5, 3]
     trainer, engine = engine_and_trainer_logprobs(sum(lengths), seed=9)
     cfg = train.Config(tis_cap=cap, is_mode="mask", is_level=level)
@@ -436,7 +437,7 @@ def test_masked_importance_sampling_drops_tokens_outside_the_bound_and_counts_th
             for t in span:
                 ratios[t] = mean
     keep = [1.0 / cap <= r <= cap for r in ratios]
-    assert weights.tolist() == [float(k) for k in keep]
+    assert weights.tolist() == pytest.approx([r if k else 0.0 for r, k in zip(ratios, keep)], rel=1e-12, abs=0)
     assert 0 < sum(keep) < len(keep)  # some kept, some masked
     assert sums["is_masked_tokens"].item() == len(keep) - sum(keep)
     assert sums["is_masked_responses"].item() == sum(not all(keep[t] for t in span) for span in spans(lengths))
@@ -445,6 +446,8 @@ def test_masked_importance_sampling_drops_tokens_outside_the_bound_and_counts_th
     loss, _ = train.policy_loss(logp, logp.detach(), adv, loss_weights, train.Config(), is_weights=weights)
     loss.backward()
     assert all((g == 0) != k for g, k in zip(logp.grad.tolist(), keep))
+    want = [-w * (r if k else 0.0) * a for w, r, k, a in zip(loss_weights.tolist(), ratios, keep, adv.tolist())]
+    assert logp.grad.tolist() == pytest.approx(want, rel=1e-12, abs=1e-15)  # the gradient scales by r, as IcePop's
 
 
 def test_sequence_level_truncation_caps_each_responses_geometric_mean_ratio():
