@@ -1,10 +1,12 @@
-"""What a task is: its data, its prompt, its grader; and the code that runs graders safely on model output.
+"""What a task is: its data, its prompt, its grader; and the code that runs graders and the Python tool safely on
+model output.
 
 Users edit this file to change a reward or add a task; it never imports torch, so it can be tested alone.
 
-The trainer calls `reward_fn(completion, sample)` once per sampled completion, in worker processes (`RewardWorkers`
-below). To add a task, write a function that takes the completion string plus the fields it needs and returns a
-float in [0, 1], then add a branch to `reward_fn`. The contract: any string in, a float out, never raises.
+The trainer calls `reward_fn(completion, item)` once per sampled completion, in worker processes (`RewardWorkers`
+below); `item` is what PromptDataset.__getitem__ in train.py returned for the prompt. To add a task, write a function
+that takes the completion string plus the fields it needs and returns a float in [0, 1], then add a branch to
+`reward_fn` (README: your own task). The contract: any string in, a float out, never raises.
 Completions are hostile input (megabytes of text, 10,000 parentheses, `__import__('os')`), so nothing here calls
 eval, and every scan is linear and capped.
 """
@@ -24,7 +26,6 @@ import re
 import resource
 import shutil
 import signal
-import string
 import subprocess
 import sys
 import tempfile
@@ -174,10 +175,16 @@ def _final_answer(completion: str) -> str:
     return numbers[-1] if numbers else ""
 
 
+def gsm8k_answer(reference: str) -> str | None:
+    """The answer of a gsm8k reference solution, the number after its "####"; None when that is not a plain number."""
+    answer = reference.split("####")[-1].strip()
+    return answer if _to_number(answer) is not None else None
+
+
 def gsm8k_reward(completion: str, answer: str) -> float:
     """1.0 if the completion's final answer equals `answer` as a number, else 0.0."""
-    predicted, truth = _to_number(_final_answer(completion)), _to_number(answer)
-    return 1.0 if predicted is not None and predicted == truth else 0.0
+    predicted = _to_number(_final_answer(completion))
+    return 1.0 if predicted is not None and predicted == _to_number(answer) else 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -234,18 +241,18 @@ def toy_reward(completion: str, target: str) -> float:
     return text.count(target) / len(text) if text else 0.0
 
 
-def reward_fn(completion: str, sample: dict) -> float:
-    """Called by the trainer for every completion; `sample` is the dataset's item. Edit here to add a task."""
-    task = sample["task"]
+def reward_fn(completion: str, item: dict) -> float:
+    """Called by the trainer for every completion; `item` is the dataset's item. Edit here to add a task."""
+    task = item["task"]
     if task == "countdown":
-        return countdown_reward(completion, sample["nums"], sample["target"])
+        return countdown_reward(completion, item["nums"], item["target"])
     if task in ("gsm8k", "addition"):
-        return gsm8k_reward(completion, sample["answer"])
+        return gsm8k_reward(completion, item["answer"] or "")
     if task == "math":
-        return math_reward(completion, sample["answer"])
+        return math_reward(completion, item["answer"] or "")
     if task == "toy":
-        return toy_reward(completion, sample["target"])
-    raise ValueError(f"unknown task {task!r}: add a branch for it to reward_fn in reward.py")
+        return toy_reward(completion, item["target"])
+    raise ValueError(f"unknown task {task!r}: add a branch for it to reward_fn in reward.py (README: your own task)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -271,22 +278,6 @@ def encode_prompt(tokenizer, prompt: list[dict] | str, plain_template: bool = Fa
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,  # --model tiny
-                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-                  architectures=["Qwen2ForCausalLM"])  # the toy task's random model; SGLang needs architectures
-
-
-def char_tokenizer():
-    """The toy task's tokenizer for `--model tiny`, nothing to download: Qwen2's byte-level BPE with one token per
-    printable character, no merges, and Qwen's special tokens. Saved with a checkpoint, it loads back as the same
-    Qwen2Tokenizer (transformers builds that class for any qwen2 folder)."""
-    from transformers import Qwen2Tokenizer  # only the tiny model needs it
-    chars = [c if ord(c) > 32 else chr(256 + ord(c)) for c in sorted(set(string.printable))]  # byte-level: " " is Ġ
-    vocab = {token: i for i, token in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + chars)}
-    return Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                          additional_special_tokens=["<|im_start|>"])
-
-
 def stop_token_ids(tokenizer) -> list[int]:
     """EOS of the tokenizer plus Qwen's end-of-turn and end-of-text tokens, where the vocabulary has them."""
     vocab = tokenizer.get_vocab()
@@ -294,19 +285,10 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def gradable(item: dict) -> bool:
-    """Whether reward_fn can give the item full marks at all: its reference answer parses."""
-    if item["task"] in ("gsm8k", "addition"):
-        return _to_number(item["answer"]) is not None
-    if item["task"] == "math":
-        return bool(item["answer"])  # the reference solution has a \boxed{} answer
-    return True
-
-
-def check_items(items: list[dict], split: str, least: int = 1, tried: int = 64) -> str:
+def check_items(items: list[dict], split: str, least: int = 1, warn: bool = True, tried: int = 64) -> None:
     """Before any model is loaded: stop with one line when there are fewer than `least` items, they lack a field the
-    prompt or reward_fn reads, or reward_fn raises on each of the first `tried`; return a warning ("" if none)
-    counting the reference answers that do not parse (every reward on those is 0)."""
+    prompt or reward_fn reads, or reward_fn raises on each of the first `tried`; with `warn`, print how many items
+    have a reference answer that does not parse (their "answer" is None: every reward on them is 0)."""
     if len(items) < least:
         raise SystemExit(f"the {split} split has {len(items)} rows, fewer than {least} (--prompts_per_step for train): "
                          "check --task, --data_path, --train_size, --test_size (or --eval_every 0)")
@@ -323,32 +305,32 @@ def check_items(items: list[dict], split: str, least: int = 1, tried: int = 64) 
     if errors and len(errors) == len(items[:tried]):
         raise SystemExit(f"reward_fn fails on each of the first {len(errors)} {split} items "
                          f"({type(errors[0]).__name__}: {errors[0]}): fix reward_fn in reward.py")
-    bad = [item for item in items if not gradable(item)]
-    if not bad:
-        return ""
-    return (f"warning: {len(bad)} of {len(items)} {split} items have a reference answer that does not parse, so every "
-            f"reward on them is 0; the first: {str(bad[0].get('answer'))[:80]!r}")
+    bad = [i for i, item in enumerate(items) if "answer" in item and item["answer"] is None]
+    if bad and warn:
+        print(f"warning: {len(bad)} of {len(items)} {split} items have a reference answer that does not parse, so "
+              f"every reward on them is 0; the first is item {bad[0]}", flush=True)
 
 
-def check_prompt_lengths(items: list[dict], tokenizer, max_new_tokens: int, context_length: int,
-                         plain_template: bool = False) -> None:
-    """The longest prompt plus --max_new_tokens must fit the model's context: SGLang fails a whole batch otherwise."""
-    longest = max(len(encode_prompt(tokenizer, item["prompt"], plain_template)) for item in items)
-    if longest + max_new_tokens > context_length:
-        raise SystemExit(f"the longest prompt has {longest} tokens: with --max_new_tokens {max_new_tokens} that "
-                         f"exceeds the model's context length {context_length}; lower it or shorten the prompts")
+def toy_problems(n: int, seed: int) -> list[dict]:
+    """The CPU demo's task: n times "say a" (toy_reward)."""
+    return [{"target": "a"}] * n
+
+
+GENERATED = {"countdown": countdown_problems, "addition": addition_problems, "toy": toy_problems}  # need no download
 
 
 def load_rows(task: str, split: str, data_path: str, train_size: int, test_size: int, seed: int) -> list[dict]:
-    """The raw rows of one split. Countdown, addition and toy rows are generated (the test split first, so they are
-    disjoint), so those jobs need no download; gsm8k and math come from a hub id or a local folder of splits."""
-    generators = {"countdown": countdown_problems, "addition": addition_problems}
-    if task in generators:
-        problems = generators[task](test_size + train_size, seed)
+    """The raw rows of one split: from --data_path (a local folder of train.* and test.* splits, jsonl or parquet, or a
+    hub id) when given; else generated (GENERATED: the test split first, so they are disjoint); else from the task's
+    hub dataset (DATASETS)."""
+    if not data_path and task in GENERATED:
+        problems = GENERATED[task](test_size + train_size, seed)
         return problems[:test_size] if split == "test" else problems[test_size:]
-    if task == "toy":
-        return [{"target": "a"}] * (test_size if split == "test" else train_size)
-    import datasets  # only the downloaded tasks need it
+    if not data_path and task not in DATASETS:
+        raise SystemExit(f"--task {task}: reward.py has no data for it (it generates {', '.join(GENERATED)} and "
+                         f"downloads {', '.join(DATASETS)}); for your own task give --data_path a folder of "
+                         "train.jsonl and test.jsonl (README: your own task)")
+    import datasets  # only data that is read needs it
     path = data_path or DATASETS[task]  # a local folder: datasets reads the splits from the file names
     try:
         return list(datasets.load_dataset(path, "main" if path == DATASETS["gsm8k"] else None, split=split))
@@ -483,11 +465,19 @@ def output_block(response: str, output: str) -> str:
     return ("" if response.endswith("\n") else "\n") + f"```output\n{output.rstrip()}\n```\n"
 
 
-def tool_counts(outputs: list[list[str]]) -> dict[str, int]:
-    """Of samples' tool outputs: tool calls, samples that made one, failed runs (tool_failure) of each kind."""
-    failures = [tool_failure(output) for sample in outputs for output in sample]
-    return dict(tool_calls=len(failures), tool_use=sum(map(bool, outputs)), tool_errors=failures.count("error"),
-                tool_timeouts=failures.count("timeout"))
+def run_tools(samples: list, workers, tokenizer, max_turns: int, max_new_tokens: int) -> None:
+    """Of the trainer's samples whose turn stopped at a ``` fence: where the response ends with a ```python block, on a
+    turn but the last and with budget left, the workers run the blocks in parallel and each output goes after its
+    block (output_block) as unsampled tokens. Special tokens that code prints are text: it cannot end the response."""
+    texts = [tokenizer.decode(s.response_ids) for s in samples]
+    runs = [(s, text, code) for s, text in zip(samples, texts) if len(s.tool_outputs) < max_turns - 1
+            and len(s.response_ids) < max_new_tokens and (code := code_to_run(text)) is not None]
+    for (s, text, _), output in zip(runs, workers.run_tools([code for _, _, code in runs])):
+        reply = tokenizer(output_block(text, output), add_special_tokens=False, split_special_tokens=True)
+        ids = reply.input_ids[:max_new_tokens - len(s.response_ids)]
+        s.response_ids += ids
+        s.sampled += [False] * len(ids)
+        s.tool_outputs.append(output)
 
 
 def tool_failure(output: str) -> str | None:
@@ -501,7 +491,7 @@ def tool_failure(output: str) -> str | None:
 # running reward_fn on model output: in worker processes, each call cut off after a timeout
 
 
-def _reward_or_error(completion: str, sample: dict, timeout: float) -> tuple[float, str | None]:
+def _reward_or_error(completion: str, item: dict, timeout: float) -> tuple[float, str | None]:
     """In a worker: (score, None), or (0.0, why) when reward_fn raises, runs past `timeout` seconds, or returns
     anything but a finite number (a NaN reward would stop all learning)."""
     def raise_timeout(signum, frame):
@@ -509,7 +499,7 @@ def _reward_or_error(completion: str, sample: dict, timeout: float) -> tuple[flo
     signal.signal(signal.SIGALRM, raise_timeout)
     signal.setitimer(signal.ITIMER_REAL, timeout, 1.0)  # repeats if reward_fn swallows the TimeoutError
     try:
-        value = reward_fn(completion, sample)
+        value = reward_fn(completion, item)
     except Exception:
         return 0.0, traceback.format_exc()
     finally:
@@ -572,10 +562,9 @@ class RewardWorkers:
         self.workers[w] = self._start()
         return process.exitcode
 
-    def score(self, completions: list[str], samples: list[dict]) -> tuple[list[float], list[str]]:
-        """reward_fn of each completion with its sample; why the failed calls (scored 0) failed."""
-        calls = [(_reward_or_error, (completion, sample, self.timeout)) for completion, sample
-                 in zip(completions, samples)]
+    def score(self, completions: list[str], items: list[dict]) -> tuple[list[float], list[str]]:
+        """reward_fn of each completion with its item; why the failed calls (scored 0) failed."""
+        calls = [(_reward_or_error, (completion, item, self.timeout)) for completion, item in zip(completions, items)]
         results, failed = self._run(calls, self.timeout + 1.0, "reward_fn")
         for i, why in failed.items():
             results[i] = (0.0, f"{why}: scored 0, and the worker replaced")
@@ -585,19 +574,22 @@ class RewardWorkers:
             self.show_first_error = False
         return [value for value, _ in results], errors
 
-    def run_tools(self, responses: list[str], tokenizer) -> list[tuple[str, list[int]]]:
-        """For each response that ends with a ```python block: what run_python of its code printed (the runs in
-        parallel), and the token ids of the reply to append (output_block); ("", []) for the others. A special token
-        that the code prints ("<|im_end|>") is tokenised as text: the code cannot end the response or fake a turn."""
-        codes = {i: code for i, response in enumerate(responses) if (code := code_to_run(response)) is not None}
-        calls = [(run_python, (code,)) for code in codes.values()]
-        outputs, failed = self._run(calls, TOOL_TIMEOUT + 5.0, "the tool")
-        replies = [("", [])] * len(responses)
-        for j, i in enumerate(codes):
-            output = f"error: {failed[j]}" if j in failed else outputs[j]
-            reply = output_block(responses[i], output)
-            replies[i] = (output, tokenizer(reply, add_special_tokens=False, split_special_tokens=True).input_ids)
-        return replies
+    def score_samples(self, samples: list, items: list[dict], tokenizer, max_new_tokens: int, overlong_buffer: int):
+        """The trainer's samples scored: each one's reward_fn score with its item, whether --max_new_tokens cut it off
+        (its last token is no stop token), and its reward, the score shaped by overlong_penalty. Returns the samples,
+        and why the failed calls failed."""
+        stop_ids = stop_token_ids(tokenizer)
+        scores, errors = self.score([tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples], items)
+        for s, score in zip(samples, scores):
+            s.score = score
+            s.truncated = not s.response_ids or s.response_ids[-1] not in stop_ids  # SGLang versions differ at the end
+            s.reward = score + overlong_penalty(len(s.response_ids), max_new_tokens, overlong_buffer)
+        return samples, errors
+
+    def run_tools(self, codes: list[str]) -> list[str]:
+        """What run_python of each code printed, the runs in parallel; a run whose worker failed says why."""
+        outputs, failed = self._run([(run_python, (code,)) for code in codes], TOOL_TIMEOUT + 5.0, "the tool")
+        return [f"error: {failed[i]}" if i in failed else output for i, output in enumerate(outputs)]
 
     def _run(self, calls: list[tuple], seconds: float, what: str) -> tuple[list, dict[int, str]]:
         """Each (function, args) called in a free worker; the results in order, and why each call that has none failed

@@ -2,11 +2,9 @@
 advantages, clipped policy-gradient steps (FSDP2 over "dp", TP over "tp"), weights pushed back. Flags: Config.
     torchrun --standalone --nproc_per_node=2 train.py --preset cpu   # CPU demo: tiny random model, toy task
     torchrun --nproc_per_node=8 train.py --tp 2                       # GPU: Countdown, Qwen2.5-3B-Instruct
-Edit `PromptDataset.__getitem__` below (what a prompt is) and `reward_fn` in reward.py (how a completion scores).
-"""
+Edit `PromptDataset.__getitem__` below (what a prompt is) and `reward_fn` in reward.py (how a completion scores)."""
 import contextlib
 import datetime
-import functools
 import glob
 import importlib.util
 import json
@@ -16,9 +14,11 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import textwrap
 import threading
 import time
+import types
 import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
@@ -45,15 +45,15 @@ import reward
 @dataclass
 class Config:
     model: str = "Qwen/Qwen2.5-3B-Instruct"  # hub id or local folder; "tiny": random tiny Qwen2 + character tokenizer
-    task: Literal["countdown", "gsm8k", "math", "toy", "addition"] = "countdown"  # README: tasks and what to expect
-    data_path: str = ""  # gsm8k / math: hub id or a local folder of train.* and test.* (jsonl / parquet); "": default
+    task: str = "countdown"  # countdown, gsm8k, math, addition, toy (README: tasks), or your own (README: your task)
+    data_path: str = ""  # a local folder of train.* and test.* (jsonl / parquet) or a hub id; "": the task's own data
     train_size: int = 20000  # countdown / toy / addition: problems generated for training
     test_size: int = 500  # countdown / toy / addition: held-out problems, disjoint from training
     plain_template: bool = False  # R1-Zero's plain prompt even when the tokenizer has a chat template (base models)
     preset: Literal["", "cpu"] = ""  # cpu: tiny model, toy task, small batches; flags given explicitly still win
     engine: Literal["sglang", "hf"] = "sglang" if torch.cuda.is_available() else "hf"  # hf: HF generate (CPU)
     mem_fraction: float = 0.5  # sglang: fraction of the GPU's free memory at start for its weights and KV cache
-    engine_port: int = 30000  # sglang: each TP group's engine uses engine_port + its first rank's local rank
+    engine_port: int = 0  # sglang: 0: each engine takes a free port; > 0: engine_port + its first rank's local rank
     bucket_mb: int = 512  # weight push: MB of full bf16 tensors gathered and sent at a time
     prompts_per_step: int = 32  # prompts per optimizer step, over all ranks
     group_size: int = 8  # G: samples per prompt
@@ -87,7 +87,6 @@ class Config:
     max_tokens_per_microbatch: int = 0  # > 0: length-sorted micro-batches of at most this many tokens, padding included
     tp: int = 1  # tensor-parallel size; dp = world size / tp
     activation_checkpointing: bool = False
-    ref_on_cpu: bool = False  # keep the reference model's shards in CPU memory between uses (GPU)
     eval_every: int = 50  # evaluate on the held-out split every N steps and at the end; 0: never
     eval_prompts: int = 256  # held-out prompts per evaluation
     eval_k: int = 4  # samples per prompt for mean@k and pass@k
@@ -124,75 +123,85 @@ def check_config(cfg, world):
     minimum = dict(tp=1, prompts_per_step=1, group_size=2, num_minibatches=1, micro_batch_size=1, max_new_tokens=1,
                    eval_k=1, logprob_chunk=1, reward_workers=1, beta=0, entropy_coef=0, tis_cap=0, overlong_buffer=0,
                    dynamic_sampling_rounds=0, max_tokens_per_microbatch=0, eval_every=0, save_every=0, lr=0, steps=1,
-                   keep_checkpoints=1, sample_every=0, reward_timeout=0.001, max_turns=1)
+                   keep_checkpoints=1, sample_every=0, reward_timeout=0.001, max_turns=1, eval_prompts=1)
     for flag, low in minimum.items():
         if getattr(cfg, flag) < low:
             raise SystemExit(f"--{flag} must be at least {low}, not {getattr(cfg, flag)}")
-    if world % cfg.tp:
-        raise SystemExit(f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}")
-    dp = world // cfg.tp
-    if cfg.prompts_per_step % dp:
-        raise SystemExit(f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp}")
+    dp, sglang = max(world // cfg.tp, 1), cfg.engine == "sglang"
     samples_per_rank = cfg.prompts_per_step // dp * cfg.group_size
-    if samples_per_rank % cfg.num_minibatches:
-        raise SystemExit(f"--num_minibatches {cfg.num_minibatches} must divide the {samples_per_rank} samples a rank")
-    if cfg.kl_in_reward and cfg.beta == 0:
-        raise SystemExit("--kl_in_reward needs --beta above 0: beta scales the KL penalty")
-    if cfg.overlong_buffer > cfg.max_new_tokens:
-        raise SystemExit("--overlong_buffer must be at most --max_new_tokens")
-    if (cfg.is_mode, cfg.is_level) != ("truncate", "token") and cfg.tis_cap <= 1:
-        raise SystemExit("--is_mode and --is_level act through --tis_cap: set it above 1, the bound on the ratio")
-    if cfg.engine == "sglang":
-        if not torch.cuda.is_available():
-            raise SystemExit("--engine sglang needs a CUDA GPU: use --engine hf here")
-        if importlib.util.find_spec("sglang") is None:
-            raise SystemExit("--engine sglang needs SGLang (pip install -r requirements.txt), or use --engine hf")
-        if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) % cfg.tp:
-            raise SystemExit(f"--tp {cfg.tp} must divide the GPUs per node: an engine's TP group lives on one node")
+    for bad, message in (
+            (world % cfg.tp, f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}"),
+            (cfg.prompts_per_step % dp, f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp}"),
+            (samples_per_rank % cfg.num_minibatches,
+             f"--num_minibatches {cfg.num_minibatches} must divide the {samples_per_rank} samples a rank"),
+            (cfg.kl_in_reward and cfg.beta == 0, "--kl_in_reward needs --beta above 0: beta scales the KL penalty"),
+            (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
+            ((cfg.is_mode, cfg.is_level) != ("truncate", "token") and cfg.tis_cap <= 1,
+             "--is_mode and --is_level act through --tis_cap: set it above 1, the bound on the ratio"),
+            (sglang and not torch.cuda.is_available(), "--engine sglang needs a CUDA GPU: use --engine hf here"),
+            (sglang and importlib.util.find_spec("sglang") is None,
+             "--engine sglang needs SGLang (pip install -r requirements.txt), or use --engine hf"),
+            (sglang and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) % cfg.tp,
+             f"--tp {cfg.tp} must divide the GPUs per node: an engine's TP group lives on one node")):
+        if bad:
+            raise SystemExit(message)
 
 
 class PromptDataset(torch.utils.data.Dataset):
-    """Prompts of one task. Edit __getitem__ to change what a prompt says or to add a task."""
+    """Prompts of one task. Edit __getitem__ to change what a prompt says or to add a task (README: your own task)."""
     def __init__(self, cfg, split):
-        self.task, self.boxed_prompt = cfg.task, reward.TOOL_PROMPT if cfg.tool else reward.BOXED_PROMPT
+        self.task = cfg.task
+        self.boxed_prompt = reward.TOOL_PROMPT if cfg.tool else reward.BOXED_PROMPT
         self.rows = reward.load_rows(cfg.task, split, cfg.data_path, cfg.train_size, cfg.test_size, cfg.seed)
         least = cfg.prompts_per_step if split == "train" else 1  # a step's prompts; an evaluation's
-        warning = reward.check_items([self[i] for i in range(len(self))], split, least)  # stops on what cannot work
-        if warning and int(os.environ.get("RANK", 0)) == 0:
-            print(warning, flush=True)
+        reward.check_items([self[i] for i in range(len(self))], split, least, warn=os.environ.get("RANK", "0") == "0")
 
     def __len__(self):
         return len(self.rows)
 
     def __getitem__(self, i):
-        """{"prompt": chat messages, or a string used as is; "task"; and the fields reward.reward_fn reads}."""
-        row = self.rows[i]
-        if self.task == "toy":
-            return {"prompt": f"Say {row['target']}:", "task": "toy", "target": row["target"]}
-        if self.task == "countdown":
-            content, fields = reward.COUNTDOWN_PROMPT.format(**row), row  # the row is {"nums", "target"}
-        elif self.task in ("gsm8k", "addition"):  # addition's rows are generated in gsm8k's format
-            content = self.boxed_prompt.format(question=row["question"])
-            fields = {"answer": row["answer"].split("####")[-1].strip()}
-        else:  # math: the answer is the last \boxed{} of the reference solution, in LaTeX
-            content = self.boxed_prompt.format(question=row["problem"])
-            fields = {"answer": reward.last_boxed(row["solution"])}
-        return {"prompt": [{"role": "user", "content": content}], "task": self.task, **fields}
+        """An item: {"prompt": chat messages, or a string used as is; "task"; and the fields reward_fn reads}."""
+        row, task = self.rows[i], self.task
+        if task == "toy":
+            return {"prompt": f"Say {row['target']}:", "task": task, "target": row["target"]}
+        if task == "countdown":  # the row is {"nums", "target"}
+            return {"prompt": [{"role": "user", "content": reward.COUNTDOWN_PROMPT.format(**row)}], "task": task, **row}
+        if task in ("gsm8k", "addition"):  # addition's rows are generated in gsm8k's format
+            question, answer = row["question"], reward.gsm8k_answer(row["answer"])
+        elif task == "math":  # the answer is the last \boxed{} of the reference solution, in LaTeX
+            question, answer = row["problem"], reward.last_boxed(row["solution"])
+        else:
+            raise SystemExit(f"--task {task}: PromptDataset.__getitem__ in train.py has no branch for it: add one, and "
+                             "one to reward_fn in reward.py (README: your own task)")
+        prompt = [{"role": "user", "content": self.boxed_prompt.format(question=question)}]
+        return {"prompt": prompt, "task": task, "answer": answer}
 
 
-def load_tokenizer_and_config(cfg):
-    """--model's tokenizer and config; for "tiny", the character tokenizer and reward.TINY_MODEL, stop and pad ids."""
+def load_tokenizer_and_config(cfg, items):
+    """--model's tokenizer and config, checked against the items' prompts; "tiny": random, a character tokenizer."""
     if cfg.model == "tiny":
-        tokenizer = reward.char_tokenizer()
-        return tokenizer, Qwen2Config(vocab_size=len(tokenizer), eos_token_id=reward.stop_token_ids(tokenizer),
-                                      pad_token_id=tokenizer.pad_token_id, **reward.TINY_MODEL)
-    try:
-        return AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model)
-    except OSError as error:  # a name that is no folder here is looked up on the hub
-        raise SystemExit(f"--model {cfg.model}: no such folder, and the hub: {str(error).splitlines()[0]}")
+        chars = [chr(c) if c > 32 else chr(256 + c) for c in [*range(9, 14), *range(32, 127)]]  # string.printable
+        vocab = {token: i for i, token in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + chars)}  # BPE
+        tokenizer = transformers.Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>",
+                                                pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"])
+        config = Qwen2Config(vocab_size=len(tokenizer), eos_token_id=reward.stop_token_ids(tokenizer), pad_token_id=0,
+                             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+                             architectures=["Qwen2ForCausalLM"])  # SGLang reads architectures
+    else:
+        try:
+            tokenizer, config = AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model)
+        except OSError as error:  # a name that is no folder here is looked up on the hub
+            raise SystemExit(f"--model {cfg.model}: no such folder, and the hub: {str(error).splitlines()[0]}")
+    longest = max(len(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items)
+    if longest + cfg.max_new_tokens > config.max_position_embeddings:  # SGLang would fail the whole batch
+        raise SystemExit(f"the longest prompt has {longest} tokens: with --max_new_tokens {cfg.max_new_tokens} that "
+                         f"exceeds the model's context length {config.max_position_embeddings}; lower it or "
+                         "shorten the prompts")
+    return tokenizer, config
 
 
-def step_rows(dataset, step, cfg, dp_rank, dp, sampling_round=0):
+def step_items(dataset, step, cfg, dp_rank, dp, sampling_round=0):
     """This rank's prompts for a step, from a seeded permutation per (epoch, dynamic sampling round)."""
     epoch, i = divmod(step, len(dataset) // cfg.prompts_per_step)
     seed = hash((cfg.seed, epoch, sampling_round))  # a tuple of ints hashes the same in every process
@@ -206,9 +215,9 @@ def step_rows(dataset, step, cfg, dp_rank, dp, sampling_round=0):
 class Sample:
     """One response and what the step learns about it; per-token fields are float32 tensors over its sampled tokens."""
     prompt_ids: list[int]  # the prompt's tokens as the engine saw them
-    response_ids: list[int]  # the tokens after it as the engine saw them, stop token included: never re-tokenised
-    sampled: list[bool]  # per response token: sampled by the engine, or tool output (no loss, no metric)
-    engine_logprobs: torch.Tensor  # the engine's log-probs of the sampled tokens, of logits / temperature
+    response_ids: list[int] = field(default_factory=list)  # the tokens after it as sampled, stop included: never
+    sampled: list[bool] = field(default_factory=list)  # re-tokenised; per token: sampled, or tool output (no loss)
+    engine_logprobs: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # of the sampled, of logits / T
     tool_outputs: list[str] = field(default_factory=list)  # what each run of its code printed (--tool python)
     truncated: bool = False  # cut off by --max_new_tokens rather than ended by a stop token
     score: float = 0.0  # reward_fn's value
@@ -220,16 +229,16 @@ class Sample:
 
 
 # q/k/v and gate/up split their output features over tp, o and down their input: one all-reduce per block each way.
-TP_PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-           "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-           "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+TP_PLAN = {**{f"self_attn.{x}_proj": ColwiseParallel() for x in "qkv"}, "self_attn.o_proj": RowwiseParallel(),
+           **{f"mlp.{x}_proj": ColwiseParallel() for x in ("gate", "up")}, "mlp.down_proj": RowwiseParallel()}
 # Qwen3's per-head q/k norms see a rank's heads only (dim 2): replicated weights, gradients summed over tp in backward.
-QK_NORM_PLAN = {"self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-                "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
+QK_NORM_PLAN = {f"self_attn.{x}_norm": SequenceParallel(sequence_dim=2, use_local_output=True) for x in "qk"}
 
 
-def parallelize(model, mesh, activation_checkpointing, offload=False):
-    """TP inside each decoder layer, then activation checkpointing, then FSDP per layer and at the root."""
+def build_model(model_config, mesh, device, activation_checkpointing=False):
+    """On meta: TP in each decoder layer, activation checkpointing, FSDP per layer and root; load_weights fills it."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
     tp = mesh["tp"].size()
     for heads in ("num_attention_heads", "num_key_value_heads"):  # each rank computes whole heads
         if getattr(model.config, heads) % tp:
@@ -241,20 +250,12 @@ def parallelize(model, mesh, activation_checkpointing, offload=False):
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     on_gpu = mesh.device_type == "cuda"  # GPU: bf16 compute, fp32 master weights and reductions; CPU: fp32
-    options = dict(mesh=mesh["dp"], offload_policy=CPUOffloadPolicy(pin_memory=on_gpu) if offload else OffloadPolicy(),
-                   mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_gpu else None,
-                                                  reduce_dtype=torch.float32))
+    options = dict(mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_gpu else None,
+                                                                   reduce_dtype=torch.float32))
     for layer in model.model.layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
-
-
-def build_model(model_config, mesh, device, activation_checkpointing=False, offload=False):
-    """Built on the meta device and sharded; the weights are uninitialised until load_weights."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    parallelize(model, mesh, activation_checkpointing, offload)
-    model.to_empty(device="cpu" if offload else device)
+    model.to_empty(device=device)
     with torch.device(device):  # rotary frequencies are a non-persistent buffer: rebuild it off the meta device
         model.model.rotary_emb = type(model.model.rotary_emb)(model_config)
     return model
@@ -272,7 +273,7 @@ def weight_files(cfg):
     return files
 
 
-def load_weights(models, files, cfg, model_config):
+def load_weights(models, files, cfg, model_config, world):
     """`files` (weight_files) into the sharded models one at a time, rank 0 reading: host memory holds one at most."""
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     loaded = set()
@@ -285,15 +286,24 @@ def load_weights(models, files, cfg, model_config):
         for model in models:  # a shallow copy: set_model_state_dict replaces the dict's entries with their shards
             set_model_state_dict(model, dict(state), options=options)
     tied = {"lm_head.weight"} if model_config.tie_word_embeddings else set()
-    missing = on_first_rank(lambda: sorted(set(models[0].state_dict()) - loaded - tied))
+    missing = on_first_rank(lambda: sorted(set(models[0].state_dict()) - loaded - tied), world)
     if missing:
         raise SystemExit(f"--model {cfg.model}: its model*.safetensors files lack {missing[:3]} "
                          f"({len(missing)} tensors); save the model with save_pretrained")
 
 
-def on_first_rank(work, group=None):
-    """work() on the group's first rank (default 0), sent to all: one answer; a SystemExit there stops every rank."""
-    box, group = [None], group or dist.group.WORLD
+def parallel_groups(device_type, tp):
+    """The device mesh over (dp, tp), and gloo groups world, dp, tp for waits and objects: no NCCL kernel spins then."""
+    shape, names = (dist.get_world_size() // tp, tp), ("dp", "tp")
+    gloo = init_device_mesh("cpu", shape, mesh_dim_names=names, backend_override=dict.fromkeys(names, "gloo"))
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return types.SimpleNamespace(mesh=mesh, world=dist.new_group(backend="gloo"), dp=gloo["dp"].get_group(),
+                                 tp=gloo["tp"].get_group())
+
+
+def on_first_rank(work, group):
+    """work() on the group's first rank, sent to the group: one answer; a SystemExit there stops every rank."""
+    box = [None]
     if dist.get_rank(group) == 0:
         try:
             box[0] = work()
@@ -305,95 +315,129 @@ def on_first_rank(work, group=None):
     return box[0]
 
 
-class HFEngine:
-    """HF generate on an unsharded policy copy; as SGLangEngine, a Sample per prompt and (name, tensor) buckets in."""
-    def __init__(self, model_config, device, pad_id):
-        self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).to(device).eval()
-        self.pad_id = pad_id
+class Engine:
+    """Held by each rank of a TP group, run by its first (the owner). generate(prompts, budgets, temperature, top_p,
+    stop_ids, seed): per prompt, sampled ids (stop included), log-probs of logits / T. update(bucket, group): a push."""
+    push_dtype = torch.float32  # of the pushed tensors
 
-    def update_weights(self, buckets):
-        for bucket in buckets:
+    def release_memory(self):
+        """After the rollouts: the engine's GPU memory to the training phase."""
+    def begin_update(self):
+        """A weight push begins: room for the weights."""
+    def end_update(self):
+        """After the last bucket, with the trainer's cache freed: nothing of the old weights cached, memory back."""
+    def shutdown(self):
+        """At exit."""
+
+
+class HFEngine(Engine):
+    """HF generate on an unsharded fp32 copy of the policy; the push hands it each bucket as a state dict."""
+    def __init__(self, model_config, device, owner):
+        self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).to(device).eval() if owner \
+            else None
+
+    def update(self, bucket, group):
+        if self.model:
             self.model.load_state_dict(dict(bucket), strict=False)  # check_pushed_names vouches for the names
 
     @torch.no_grad()
-    def generate(self, prompts, temperature, top_p, budgets, stop_ids, seed):  # budgets: max new tokens per prompt
+    def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):
         longest, device = max(map(len, prompts)), self.model.device
-        ids = torch.tensor([[self.pad_id] * (longest - len(p)) + p for p in prompts], device=device)  # left-padded
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)  # left-padded, masked
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
         with torch.random.fork_rng(devices=[]):  # seeded sampling that leaves the global RNG alone
             torch.manual_seed(seed)
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(budgets),
-                                      eos_token_id=stop_ids, pad_token_id=self.pad_id, return_dict_in_generate=True,
+                                      eos_token_id=stop_ids, pad_token_id=0, return_dict_in_generate=True,
                                       output_logits=True, **sampling)
         logprobs = torch.log_softmax(torch.stack(out.logits, 1).float() / (temperature or 1.0), -1)  # [N, T, V]
         seqs = [seq[:budget] for seq, budget in zip(out.sequences[:, longest:].tolist(), budgets)]  # below the batch's
         seqs = [seq[:next((t + 1 for t, tok in enumerate(seq) if tok in stop_ids), len(seq))] for seq in seqs]  # stop
-        return [Sample(prompt, seq, [True] * len(seq), lps[torch.arange(len(seq)), seq].cpu())
-                for prompt, seq, lps in zip(prompts, seqs, logprobs)]
+        return [(seq, lps[torch.arange(len(seq)), seq].cpu()) for seq, lps in zip(seqs, logprobs)]
 
 
-class SGLangEngine:
-    """In-process SGLang, one per trainer TP group on its GPUs; weights come as bf16 buckets by CUDA IPC, not disk."""
-    def __init__(self, cfg, model_config):
+class SGLangEngine(Engine):
+    """In-process SGLang on the TP group's GPUs, run by the owner; bf16 buckets come by CUDA IPC, not through disk."""
+    push_dtype = torch.bfloat16
+
+    def __init__(self, cfg, model_config, owner, world):
         import sglang
-        rank, base_gpu_id = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))  # TP group's first
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        if torch.cuda.is_available():
+            monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID, as the engine's side expects
+        self.engine = None
+        base_gpu_id = int(os.environ.get("LOCAL_RANK", 0))  # the TP group's first GPU
+        with socket.socket() as port:  # free (or --engine_port's), held until every engine of the node has its own
+            port.bind(("127.0.0.1", cfg.engine_port + base_gpu_id if cfg.engine_port else 0))
+            nccl_port = port.getsockname()[1]
+            dist.barrier(group=world)
+        if not owner:
+            return
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # or its schedulers hang joining torchrun's store
-        config_dir = os.path.join(cfg.out_dir, f"engine_model_rank{rank}")  # read from disk by SGLang
+        # Its GPUs' free memory may differ >10%: safe, as the KV cache fits the least, yet SGLang's check would refuse.
+        os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "false"
+        config_dir = os.path.join(cfg.out_dir, f"engine_model_rank{dist.get_rank()}")  # read from disk by SGLang
         model_config.save_pretrained(config_dir)
         # The engine's processes inherit ignored SIGINT / SIGTERM: torchrun's signals are the trainer's to act on.
         handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
         self.engine = sglang.Engine(
             model_path=config_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", tp_size=cfg.tp,
-            dp_size=1, base_gpu_id=base_gpu_id, nccl_port=cfg.engine_port + base_gpu_id, random_seed=cfg.seed + rank,
+            dp_size=1, base_gpu_id=base_gpu_id, nccl_port=nccl_port, random_seed=cfg.seed + dist.get_rank(),
             enable_memory_saver=True, mem_fraction_static=cfg.mem_fraction, log_level="error")
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         # The first request starts SGLang's event loop, which installs its own SIGTERM handler: the trainer's wins.
         self.engine.generate(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
-        self.released = False
 
-    def generate(self, prompts, temperature, top_p, budgets, stop_ids, seed):  # seed: hf only; SGLang: --seed
-        sampling = dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_ids)
-        params = [dict(sampling, max_new_tokens=n) for n in budgets]
+    def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):  # seeded at start, by --seed
+        params = [dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_ids, max_new_tokens=n)
+                  for n in budgets]
         outputs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-        return [Sample(prompt, out["output_ids"], [True] * len(out["output_ids"]),
-                       torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]))
-                for prompt, out in zip(prompts, outputs)]
+        return [(out["output_ids"], torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]))
+                for out in outputs]
 
-    def release_memory(self):  # after each rollout: the training phase gets the engine's weights and KV cache memory
-        self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
-        self.released = True
+    def release_memory(self):
+        if self.engine:
+            self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
 
-    def update_weights(self, payloads):  # per bucket, a serialized copy for each engine TP rank (sglang_payloads)
-        if self.released:  # resuming what was not released crashes the engine
+    def begin_update(self):
+        if self.engine:
             self.engine.resume_memory_occupation(tags=["weights"])  # freed, not kept: every weight is pushed
-        session = hasattr(self.engine, "begin_weight_update")  # sglang >= 0.5.21 pushes inside a session
-        if session:
-            self.check(self.engine.begin_weight_update())
-        try:
-            for per_rank in payloads:
-                self.check(self.engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket",
-                                                                  flush_cache=False))
-        finally:  # an open session would refuse the next push
-            if session:
-                self.check(self.engine.end_weight_update())
-        self.engine.flush_cache()  # cached prefixes were computed with the old weights
-        if self.released:
-            self.engine.resume_memory_occupation(tags=["kv_cache"])
-            self.released = False
+        if self.engine and hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.21 pushes in a session
+            self.engine.begin_weight_update()  # checked through the updates: outside a session they fail
 
-    @staticmethod
-    def check(result):  # SGLang reports a failed weight update as (False, message) rather than raising
-        if not result[0]:
-            raise RuntimeError(f"SGLang weight update failed: {result[1]}")
+    def update(self, bucket, group):  # each rank's own copy: engine TP rank i reads trainer rank i's GPU, its own
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+        flat = FlattenedTensorBucket(named_tensors=bucket)
+        payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+        ranks = [None] * dist.get_world_size(group) if self.engine else None
+        dist.gather_object(MultiprocessingSerializer.serialize(payload, output_str=True), ranks,
+                           dst=dist.get_global_rank(group, 0), group=group)
+        if self.engine:  # SGLang reports a failed weight update as (False, why) rather than raising
+            result = self.engine.update_weights_from_tensor(ranks, load_format="flattened_bucket", flush_cache=False)
+            if not result[0]:
+                raise RuntimeError(f"SGLang weight update failed: {result[1]}")
+
+    def end_update(self):
+        if self.engine and hasattr(self.engine, "end_weight_update"):
+            self.engine.end_weight_update()
+        if self.engine:
+            self.engine.flush_cache()  # cached prefixes were computed with the old weights
+            self.engine.resume_memory_occupation(tags=["kv_cache"])
+
+    def shutdown(self):
+        if self.engine:
+            self.engine.shutdown()  # and its scheduler processes
 
 
 def free_gpu_cache(group):
-    """Give the caching allocator's memory back and wait for the group: SGLang, on the same GPUs, re-takes its own."""
+    """Freed GPU memory (IPC handles released by the engine too) back to the device, then wait for the group."""
     if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
         torch.cuda.empty_cache()
-        dist.barrier(group=group)
+    dist.barrier(group=group)
 
 
 def check_pushed_names(model, model_config):
@@ -410,11 +454,12 @@ def check_pushed_names(model, model_config):
                              f"{expected.get(name)}: check `architectures` in --model's config.json")
 
 
-def weight_buckets(model, bucket_bytes, dtype, tp_group):
-    """Full HF-named tensors in ~bucket_bytes buckets; every rank runs to the end (full_tensor() is a collective)."""
+def weight_buckets(model, bucket_bytes, dtype):
+    """Full HF-named tensors of `dtype` (each shard cast before its gather) in ~bucket_bytes buckets; on every rank."""
     bucket, size = [], 0
     for name, param in model.named_parameters():
-        full = (param.full_tensor() if isinstance(param, DTensor) else param).detach().to(dtype)
+        shard = param.detach().to(dtype)
+        full = shard.full_tensor() if isinstance(shard, DTensor) else shard
         bucket.append((name, full))
         size += full.numel() * full.element_size()
         if size >= bucket_bytes:
@@ -422,90 +467,58 @@ def weight_buckets(model, bucket_bytes, dtype, tp_group):
             bucket, size = [], 0
     if bucket:
         yield bucket
-    free_gpu_cache(tp_group)  # before the engine's KV cache comes back
 
 
-def sglang_payloads(buckets, tp_group):
-    """Per bucket, each tp rank's CUDA IPC handles of its own copy, gathered on the group's first rank (else None)."""
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-    if torch.cuda.is_available():
-        monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID, as the engine's side expects
-    for bucket in buckets:
-        flat = FlattenedTensorBucket(named_tensors=bucket)
-        payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-        per_rank = [None] * dist.get_world_size(tp_group) if dist.get_rank(tp_group) == 0 else None
-        dist.gather_object(MultiprocessingSerializer.serialize(payload, output_str=True), per_rank,
-                           dst=dist.get_global_rank(tp_group, 0), group=tp_group)
-        yield per_rank
+def push_weights(model, engine, cfg, par):
+    """The new weights into the engine, whose memory the rollouts' end released; every rank of a TP group runs it."""
+    free_gpu_cache(par.tp)  # the trainer's cached blocks back to the GPU before the engine's weights come back
+    engine.begin_update()
+    for bucket in weight_buckets(model, cfg.bucket_mb << 20, engine.push_dtype):
+        engine.update(bucket, par.tp)
+        dist.barrier(group=par.tp)  # the others gather the next bucket only once the owner has loaded this one
+    del bucket  # the last: nothing of the push stays referenced
+    free_gpu_cache(par.tp)  # the buckets' memory back to the GPU before the engine's KV cache comes back
+    engine.end_update()
 
 
-def push_weights(model, engine, cfg, tp_group):
-    """The new weights into the engine; ranks without an engine still join every gather."""
-    free_gpu_cache(tp_group)  # before the engine's weights come back
-    on_sglang = cfg.engine == "sglang"
-    buckets = weight_buckets(model, cfg.bucket_mb << 20, torch.bfloat16 if on_sglang else torch.float32, tp_group)
-    if on_sglang:
-        buckets = sglang_payloads(buckets, tp_group)
-    if engine is not None:
-        engine.update_weights(buckets)
-    else:
-        for _ in buckets:  # every gather is a collective that the engine's rank runs too; nothing is kept
-            pass
-    if torch.cuda.is_available():
-        torch.cuda.ipc_collect()  # free the buckets whose IPC handles the engine has released
-
-
-def generate_rollouts(engine, workers, tokenizer, rows, cfg, seed, n, temperature):
-    """On the engine's rank: n scored samples per row, failed reward_fn calls' tracebacks. With --tool, in turns: at a
-    stop that closes a ```python block the workers run it, and its output is appended as unsampled tokens."""
-    stop_ids, fence_ids = reward.stop_token_ids(tokenizer), reward.fence_token_ids(tokenizer) if cfg.tool else []
-    samples = [Sample(reward.encode_prompt(tokenizer, row["prompt"], cfg.plain_template), [], [], torch.zeros(0))
-               for row in rows for _ in range(n)]
-    running = samples
-    while running := [s for s in running if len(s.response_ids) < cfg.max_new_tokens]:  # budget left (all turns')
-        turns = engine.generate([s.prompt_ids + s.response_ids for s in running], temperature, cfg.top_p,
-                                [cfg.max_new_tokens - len(s.response_ids) for s in running], stop_ids + fence_ids, seed)
-        for s, turn in zip(running, turns):
-            s.response_ids += turn.response_ids
-            s.sampled += turn.sampled
-            s.engine_logprobs = torch.cat([s.engine_logprobs, turn.engine_logprobs])
-        running = [s for s, turn in zip(running, turns) if turn.response_ids and turn.response_ids[-1] in fence_ids]
-        # A block runs on any turn but the last, with budget left for its output; other stops simply go on.
-        runs = [len(s.tool_outputs) < cfg.max_turns - 1 and len(s.response_ids) < cfg.max_new_tokens for s in running]
-        texts = [tokenizer.decode(s.response_ids) if run else "" for s, run in zip(running, runs)]  # "": no run
-        for s, (output, reply) in zip(running, workers.run_tools(texts, tokenizer)):  # no reply: generation goes on
-            ids = reply[:cfg.max_new_tokens - len(s.response_ids)]
+def generate_rollouts(engine, workers, tokenizer, items, cfg, seed, temperature):
+    """On the engine's rank: a sample per item; with --tool, in turns (reward.run_tools) within one token budget."""
+    stop_ids = reward.stop_token_ids(tokenizer)
+    fence_ids = reward.fence_token_ids(tokenizer) if cfg.tool else []
+    samples = running = [Sample(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items]
+    while running := [s for s in running if len(s.response_ids) < cfg.max_new_tokens]:
+        outputs = engine.generate([s.prompt_ids + s.response_ids for s in running],
+                                  [cfg.max_new_tokens - len(s.response_ids) for s in running],
+                                  temperature, cfg.top_p, stop_ids + fence_ids, seed)
+        for s, (ids, logprobs) in zip(running, outputs):
             s.response_ids += ids
-            s.sampled += [False] * len(ids)
-            s.tool_outputs += [output] if reply else []
+            s.sampled += [True] * len(ids)
+            s.engine_logprobs = torch.cat([s.engine_logprobs, logprobs])
+        running = [s for s, (ids, _) in zip(running, outputs) if ids and ids[-1] in fence_ids]
+        reward.run_tools(running, workers, tokenizer, cfg.max_turns, cfg.max_new_tokens)
         seed += 1  # HFEngine's next round samples afresh
-    completions = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-    scores, errors = workers.score(completions, [row for row in rows for _ in range(n)])
-    for s, score in zip(samples, scores):  # truncated: by the last token, as SGLang versions differ at the limit
-        s.score, s.truncated = score, not s.response_ids or s.response_ids[-1] not in stop_ids
-        s.reward = score + reward.overlong_penalty(len(s.response_ids), cfg.max_new_tokens, cfg.overlong_buffer)
-    return samples, errors
+    return samples
 
 
-def collect_rollouts(engine, reward_workers, dataset, tokenizer, cfg, step, mesh):
+def collect_rollouts(engine, workers, dataset, tokenizer, cfg, step, par):
     """G samples per prompt with reward, tracebacks, groups dropped (dynamic sampling: equal scores, so more rounds)."""
-    dp_rank, dp, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["tp"].get_group()
+    dp_rank, dp = par.mesh["dp"].get_local_rank(), par.mesh["dp"].size()
     kept, dropped, errors = [], [], []
     for sampling_round in range(cfg.dynamic_sampling_rounds + 1):
-        rows = step_rows(dataset, step, cfg, dp_rank, dp, sampling_round)
+        items = step_items(dataset, step, cfg, dp_rank, dp, sampling_round)
+        repeated = [item for item in items for _ in range(cfg.group_size)]
         seed = hash((cfg.seed, step, sampling_round, dp_rank))
-        samples, failed = on_first_rank(lambda: generate_rollouts(
-            engine, reward_workers, tokenizer, rows, cfg, seed, cfg.group_size, cfg.temperature), tp_group)
+        samples, failed = on_first_rank(lambda: workers.score_samples(  # generated, then scored, on the engine's rank
+            generate_rollouts(engine, workers, tokenizer, repeated, cfg, seed, cfg.temperature), repeated, tokenizer,
+            cfg.max_new_tokens, cfg.overlong_buffer), par.tp)
         errors += failed
         for group in (samples[i:i + cfg.group_size] for i in range(0, len(samples), cfg.group_size)):
             no_signal = len({s.score for s in group}) == 1  # as DAPO: on reward_fn's score, not the shaping
             (dropped if no_signal and cfg.dynamic_sampling_rounds else kept).append(group)
-        if len(kept) >= len(rows):
+        if len(kept) >= len(items):
             break
-    filled = dropped[:max(0, len(rows) - len(kept))]
-    return [s for group in kept[:len(rows)] + filled for s in group], errors, len(dropped) - len(filled)
+    filled = dropped[:max(0, len(items) - len(kept))]
+    return [s for group in kept[:len(items)] + filled for s in group], errors, len(dropped) - len(filled)
 
 
 def group_advantages(rewards, group_size, scale_std=True, eps=1e-6):
@@ -542,14 +555,13 @@ def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
     return target_logit - log_z, log_z - sum_over_tp((exp * logits).sum(-1)) / sum_exp
 
 
-def response_logprobs(model, samples, cfg, tp_mesh, pad_id):
+def response_logprobs(model, samples, cfg, tp_mesh):
     """Log-probs and entropies [N] of the sampled response tokens; lm_head per --logprob_chunk, recomputed."""
     seqs, device = [s.prompt_ids + s.response_ids for s in samples], torch.device(tp_mesh.device_type)
     longest = max(map(len, seqs))
-    ids = torch.tensor([q + [pad_id] * (longest - len(q)) for q in seqs], device=device)  # right-padded
+    ids = torch.tensor([q + [0] * (longest - len(q)) for q in seqs], device=device)  # right-padded, masked
     mask = torch.tensor([[1] * len(q) + [0] * (longest - len(q)) for q in seqs], device=device)
-    no_logits = torch.zeros(0, dtype=torch.long, device=device)
-    out = model(input_ids=ids, attention_mask=mask, logits_to_keep=no_logits, output_hidden_states=True)
+    out = model(input_ids=ids, attention_mask=mask, logits_to_keep=ids.new_zeros(0), output_hidden_states=True)
     last = out.hidden_states[-1]  # the final norm's output [B, T, H]; position t predicts token t + 1
     sampled = torch.tensor([m for s in samples for m in s.sampled], device=device)  # tool output: no log-prob taken
     hidden = torch.cat([last[b, len(s.prompt_ids) - 1:len(seqs[b]) - 1] for b, s in enumerate(samples)])[sampled]
@@ -557,30 +569,23 @@ def response_logprobs(model, samples, cfg, tp_mesh, pad_id):
     # lm_head, a root parameter, stays unsharded until backward; as DTensors, backward gathers its grad, sums hidden's.
     weight = DTensor.from_local(model.lm_head.weight, tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(0)])
     hidden = DTensor.from_local(hidden, tp_mesh, [Replicate()])
-    compute = (functools.partial(checkpoint, logprobs_and_entropy, use_reentrant=False) if torch.is_grad_enabled()
+    compute = ((lambda *args: checkpoint(logprobs_and_entropy, *args, use_reentrant=False)) if torch.is_grad_enabled()
                else logprobs_and_entropy)
-    parts = [compute(hidden[start:start + cfg.logprob_chunk], weight, targets[start:start + cfg.logprob_chunk],
-                     cfg.temperature or 1.0, tp_mesh) for start in range(0, len(targets), cfg.logprob_chunk)]
-    logp, entropy = zip(*parts)
+    logp, entropy = zip(*[compute(hidden[i:i + cfg.logprob_chunk], weight, targets[i:i + cfg.logprob_chunk],
+                                  cfg.temperature or 1.0, tp_mesh) for i in range(0, len(targets), cfg.logprob_chunk)])
     return torch.cat(logp), torch.cat(entropy)
 
 
-# KL(policy || reference) per sampled token from log_ratio = log p - log p_ref (Schulman 2020); GRPO uses k3.
-KL_ESTIMATORS = {"k1": lambda log_ratio: log_ratio, "k2": lambda log_ratio: log_ratio ** 2 / 2,
-                 "k3": lambda log_ratio: torch.expm1(-log_ratio) + log_ratio}
-
-
-def response_means(x, lengths):
-    """The mean of per-token values x [N] over each response's tokens [R]; lengths [R]: tokens per response."""
-    index = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
-    return x.new_zeros(len(lengths)).index_add(0, index, x) / lengths
+# KL(policy || reference) per sampled token from x = log p - log p_ref (Schulman 2020); GRPO uses k3.
+KL_ESTIMATORS = {"k1": lambda x: x, "k2": lambda x: x ** 2 / 2, "k3": lambda x: torch.expm1(-x) + x}
 
 
 def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy=None, is_weights=None, lengths=None):
     """Per-token PG term (clip or CISPO) x is_weights, + beta KL, - entropy bonus, summed with weights; metric sums."""
     log_ratio = logp - old_logp
     if cfg.ratio_level == "sequence":  # GSPO-token: value s_i = exp(response mean of log ratio), gradient s_i x d log p
-        log_ratio = response_means(log_ratio, lengths).repeat_interleave(lengths).detach() + logp - logp.detach()
+        means = torch.segment_reduce(log_ratio.detach(), "mean", lengths=lengths)
+        log_ratio = means.repeat_interleave(lengths) + logp - logp.detach()
     ratio = torch.exp(log_ratio)
     if cfg.objective == "cispo":  # MiniMax-M1: the ratio, clipped and detached, weights log p; no token is dropped
         per_token = -ratio.detach().clamp(max=1 + cfg.clip_high) * advantages * logp
@@ -607,17 +612,16 @@ def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy
 def engine_mismatch(trainer_logp, engine_logp, cfg, lengths):
     """IS weights, r = p_trainer / p_engine (None at --tis_cap 0); sums of |log r|, k3 KL (bad pushes show), masks."""
     log_ratio = trainer_logp - engine_logp
-    sums = {"mismatch_abs": log_ratio.abs().sum(), "mismatch_kl": KL_ESTIMATORS["k3"](-log_ratio).sum(),
-            "is_masked_tokens": 0, "is_masked_responses": 0}
+    sums = {"mismatch_abs": log_ratio.abs().sum(), "mismatch_kl": KL_ESTIMATORS["k3"](-log_ratio).sum()}
     if cfg.tis_cap == 0:
         return None, sums
     if cfg.is_level == "sequence":
-        log_ratio = response_means(log_ratio, lengths).repeat_interleave(lengths)
+        log_ratio = torch.segment_reduce(log_ratio, "mean", lengths=lengths).repeat_interleave(lengths)
     ratio = log_ratio.exp()
     if cfg.is_mode == "truncate":
         return ratio.clamp(max=cfg.tis_cap), sums
     masked = (ratio < 1 / cfg.tis_cap) | (ratio > cfg.tis_cap)  # IcePop: r where kept, 0 outside the bound
-    sums.update(is_masked_tokens=masked.sum(), is_masked_responses=(response_means(masked.float(), lengths) > 0).sum())
+    sums["is_masked_tokens"] = masked.sum()
     return ratio.masked_fill(masked, 0.0), sums
 
 
@@ -636,9 +640,8 @@ def set_loss_weights(samples, cfg, dp_group):
 def clip_grad_norm(model, max_norm):
     """Global grad norm, clipped to max_norm if finite; a norm per mesh (clip_grad_norm_ can't mix dp and (dp, tp))."""
     by_mesh = defaultdict(list)
-    for param in model.parameters():
-        if param.grad is not None:
-            by_mesh[getattr(param.grad, "device_mesh", None)].append(param.grad)
+    for grad in [param.grad for param in model.parameters() if param.grad is not None]:
+        by_mesh[getattr(grad, "device_mesh", None)].append(grad)
     norms = [torch.nn.utils.get_total_norm(grads) for grads in by_mesh.values()]
     total = math.sqrt(sum((n.full_tensor() if isinstance(n, DTensor) else n).item() ** 2 for n in norms))
     if math.isfinite(total) and max_norm > 0 and total > max_norm:
@@ -647,7 +650,7 @@ def clip_grad_norm(model, max_norm):
     return total
 
 
-def micro_batches(samples, cfg):
+def micro_batches(samples, cfg, group):
     """--micro_batch_size each, or packed to --max_tokens_per_microbatch; equal count on all ranks (collectives)."""
     if cfg.max_tokens_per_microbatch == 0:
         return [samples[i:i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
@@ -659,7 +662,7 @@ def micro_batches(samples, cfg):
             batches.append([sample])
             longest = len(sample.prompt_ids) + len(sample.response_ids)
     count = torch.tensor(len(batches))
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     while len(batches) < count:
         largest = batches.pop(max(range(len(batches)), key=lambda i: len(batches[i])))
         batches += [largest[:len(largest) // 2], largest[len(largest) // 2:]]
@@ -667,24 +670,25 @@ def micro_batches(samples, cfg):
 
 
 @torch.no_grad()
-def store_logprobs(model, samples, into, cfg, mesh, pad_id):
+def store_logprobs(model, samples, into, cfg, par):
     """The model's log-probs of each sample's sampled response tokens, without grad, into sample.<into>."""
-    for batch in micro_batches(samples, cfg):
-        logp = response_logprobs(model, batch, cfg, mesh["tp"], pad_id)[0]
+    for batch in micro_batches(samples, cfg, par.world):
+        logp = response_logprobs(model, batch, cfg, par.mesh["tp"])[0]
         for sample, values in zip(batch, logp.split([sum(s.sampled) for s in batch])):
             setattr(sample, into, values)
 
 
-def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id):
-    """--num_minibatches optimizer steps; ratio vs own detached log-probs (first mini-batch) or old_logprobs."""
-    sums = defaultdict(float)  # every rank runs as many micro-batches, so it adds the same keys in the same order
+def train_on_rollouts(model, optimizer, samples, cfg, par):
+    """--num_minibatches steps, the ratio vs old_logprobs if stored, else on-policy; returns metric sums by kind."""
+    sums = {"token": defaultdict(float), "max": defaultdict(float)}  # same keys, same order on every rank
     per_minibatch, device = len(samples) // cfg.num_minibatches, model.device
     for start in range(0, len(samples), per_minibatch):
         minibatch = samples[start:start + per_minibatch]
-        set_loss_weights(minibatch, cfg, mesh["dp"].get_group())
-        for batch in micro_batches(minibatch, cfg):
-            logp, entropy = response_logprobs(model, batch, cfg, mesh["tp"], pad_id)
-            old_logp = logp.detach() if start == 0 else torch.cat([s.old_logprobs for s in batch]).to(device)
+        set_loss_weights(minibatch, cfg, par.dp)
+        for batch in micro_batches(minibatch, cfg, par.world):
+            logp, entropy = response_logprobs(model, batch, cfg, par.mesh["tp"])
+            stored = batch[0].old_logprobs is not None
+            old_logp = torch.cat([s.old_logprobs for s in batch]).to(device) if stored else logp.detach()
             lengths = torch.tensor([sum(s.sampled) for s in batch], device=device)
             advantages = torch.tensor([s.advantage for s in batch], device=device).repeat_interleave(lengths)
             weights = torch.tensor([s.loss_weight for s in batch], device=device).repeat_interleave(lengths)
@@ -693,14 +697,14 @@ def train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id):
             ref_logp = torch.cat([s.ref_logprobs for s in batch]).to(device) if cfg.beta > 0 else None
             loss, stats = policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp, entropy, is_weights, lengths)
             loss.backward()
-            for key, value in {**stats, **mismatch, "tokens": len(logp)}.items():
-                sums[key] += value
+            for key, value in {**stats, **mismatch}.items():
+                sums["token"][key] += value
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
         if math.isfinite(grad_norm):  # a step with a non-finite norm is skipped, and counted
             optimizer.step()
-        sums["skipped_steps"] += not math.isfinite(grad_norm)
         optimizer.zero_grad(set_to_none=True)
-        sums["grad_norm"] += grad_norm / cfg.num_minibatches
+        sums["max"]["skipped_steps"] += not math.isfinite(grad_norm)  # the norm is global: equal on every rank
+        sums["max"]["grad_norm"] += grad_norm / cfg.num_minibatches
     return sums
 
 
@@ -712,43 +716,45 @@ def lr_factor(step, cfg):
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def reduce_over_ranks(sums, maxes, mesh):
-    """Sums and maxima over all ranks, same key order on each (gloo); tp ranks hold the same values: sums count once."""
-    total = torch.tensor([float(v) for v in sums.values()], dtype=torch.float64)
-    dist.all_reduce(total)
-    top = torch.tensor([float(v) for v in maxes.values()], dtype=torch.float64)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX)
-    return dict(zip(sums, (total / mesh["tp"].size()).tolist())), dict(zip(maxes, top.tolist()))
+def step_metrics(samples, sums, errors, dropped, par):
+    """The step's metrics over all ranks, each sum averaged by its kind: "token" sums per sampled token, and so on."""
+    lengths = [sum(s.sampled) for s in samples]  # tool output is not counted
+    failures = [reward.tool_failure(output) for s in samples for output in s.tool_outputs]
+    sums["sample"] = dict(reward=sum(s.score for s in samples), accuracy=sum(s.score >= 1 for s in samples),
+                          response_len=sum(lengths), truncated=sum(s.truncated for s in samples),
+                          turns=sum(len(s.tool_outputs) + sum(s.sampled[-1:]) for s in samples),  # one per output
+                          tool_calls=len(failures), tool_use=sum(bool(s.tool_outputs) for s in samples))
+    sums["count"] = dict(samples=len(samples), tokens=sum(lengths), reward_errors=len(errors), groups_dropped=dropped,
+                         tool_errors=failures.count("error"), tool_timeouts=failures.count("timeout"))
+    sums["max"]["response_len_max"] = max(lengths)
+    local = {kind: {key: float(value) for key, value in values.items()} for kind, values in sums.items()}
+    ranks = [None] * dist.get_world_size(par.world)
+    dist.all_gather_object(ranks, local, group=par.world)
+    total = {kind: {key: sum(r[kind][key] for r in ranks) / par.mesh["tp"].size() for key in local[kind]}
+             for kind in ("token", "sample", "count")}
+    metrics = {key: value / max(total["count"]["tokens"], 1) for key, value in total["token"].items()}
+    metrics.update({key: value / total["count"]["samples"] for key, value in total["sample"].items()})
+    return dict(metrics, **total["count"], **{key: max(r["max"][key] for r in ranks) for key in local["max"]})
 
 
-def step_metrics(samples, train_sums, errors, dropped, times, stop_requested, lr, mesh):
-    """The step's numbers over all ranks, as logged (means, maxima, counts), and whether any rank was asked to stop."""
-    lengths, scores = [sum(s.sampled) for s in samples], [s.score for s in samples]  # tool output is not counted
-    sums = dict(train_sums, reward=sum(scores), accuracy=sum(x >= 1 for x in scores), samples=len(samples),
-                response_len=sum(lengths), truncated=sum(s.truncated for s in samples), reward_errors=len(errors),
-                groups_dropped=dropped, turns=sum(len(s.tool_outputs) + sum(s.sampled[-1:]) for s in samples),
-                **reward.tool_counts([s.tool_outputs for s in samples]))  # turns: a turn ends in each tool output
-    maxes = {"response_len_max": max(lengths), "grad_norm": sums.pop("grad_norm"),
-             "skipped_steps": sums.pop("skipped_steps"), "stop": float(stop_requested)}
-    sums, maxes = reduce_over_ranks(sums, maxes, mesh)
-    stopping = maxes.pop("stop") > 0  # a signal seen by any rank stops all of them after this step
-    per_sample_keys = "reward accuracy response_len truncated is_masked_responses tool_calls tool_use turns".split()
-    metrics = {k: sums[k] / sums["samples"] for k in per_sample_keys}
-    per_token_keys = ("entropy", "kl", "clip_frac", "mismatch_abs", "mismatch_kl", "is_masked_tokens")
-    metrics.update({k: sums[k] / max(sums["tokens"], 1) for k in per_token_keys}, **maxes)
-    counts = {k: sums[k] for k in ("reward_errors", "groups_dropped", "tool_errors", "tool_timeouts")}
-    metrics.update(times, **counts, lr=lr, tokens_per_s=sums["response_len"] / times["time_step"])  # times: rank 0's
-    return metrics, stopping
-
-
-def write_config(cfg):
-    """On rank 0, at once: the config on the console and in out_dir/config.json."""
-    print(textwrap.fill(" ".join(f"{k}={v}" for k, v in asdict(cfg).items()), 120), flush=True)
-    try:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        pathlib.Path(cfg.out_dir, "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-    except OSError as error:  # the other ranks stop with it: torchrun ends every rank when one fails
-        raise SystemExit(f"--out_dir {cfg.out_dir}: cannot write there ({error.strerror}): choose another folder")
+def write_config(cfg, par):
+    """Rank 0 prints the config and writes it to out_dir/config.json with a new run_id, which every rank must read."""
+    def write():
+        print(textwrap.fill(" ".join(f"{k}={v}" for k, v in asdict(cfg).items()), 120), flush=True)
+        config = dict(asdict(cfg), run_id=os.urandom(8).hex())  # new: a folder that only one node sees lacks it
+        try:
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            pathlib.Path(cfg.out_dir, "config.json").write_text(json.dumps(config, indent=1))
+        except OSError as error:  # the other ranks stop with it: torchrun ends every rank when one fails
+            raise SystemExit(f"--out_dir {cfg.out_dir}: cannot write there ({error.strerror}): choose another folder")
+        return config["run_id"]
+    run_id = on_first_rank(write, par.world)
+    path = pathlib.Path(cfg.out_dir, "config.json")
+    seen = torch.tensor(int(path.exists() and run_id in path.read_text()))  # checkpoints go there, read by every rank
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN, group=par.world)
+    if not seen:
+        raise SystemExit(f"--out_dir {cfg.out_dir}: ranks on other nodes do not see what rank 0 writes there; it must "
+                         "be a folder every node sees (a shared file system), as the same path on each")
 
 
 def open_run_dir(cfg, start_step, wandb_id):
@@ -763,8 +769,7 @@ def open_run_dir(cfg, start_step, wandb_id):
 
 
 def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
-    """One line on the console (every number is in metrics.jsonl), one JSON line in metrics.jsonl, and wandb; every
-    --sample_every steps, a sampled prompt and completion with its reward, on the console and in a wandb table."""
+    """A console line, a metrics.jsonl line and wandb; every --sample_every steps, a sample too (and a wandb table)."""
     line = ("step {step}/{steps} | reward {reward:.3f} acc {accuracy:.2f} | len {response_len:.0f} | ent {entropy:.2f}"
             " kl {kl:.4f} | {time_step:.1f}s (gen {time_rollout:.1f} train {time_train:.1f} push {time_push:.1f})"
             " | eta {eta}").format(step=step + 1, steps=cfg.steps, **metrics,
@@ -787,32 +792,34 @@ def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
         wandb_run.log(metrics, step=step + 1)
 
 
-def evaluate(engine, tokenizer, test_set, reward_workers, cfg, mesh):
+def evaluate(engine, tokenizer, test_set, workers, cfg, par):
     """Greedy accuracy, mean@k and pass@k (of k samples at --eval_temperature) on --eval_prompts held-out prompts."""
-    dp_rank, dp, tp_group = mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["tp"].get_group()
-    rows = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
-    def solved(n, temp):  # [len(rows), n]: reward 1.0; a rank without rows (more ranks than prompts) has [0, n]
-        samples, _ = on_first_rank(
-            lambda: generate_rollouts(engine, reward_workers, tokenizer, rows, cfg, cfg.seed, n, temp), tp_group)
+    dp_rank, dp = par.mesh["dp"].get_local_rank(), par.mesh["dp"].size()
+    items = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
+    def solved(n, temperature):  # [len(items), n]: reward 1.0; a rank without items (more ranks than prompts): [0, n]
+        repeated = [item for item in items for _ in range(n)]
+        samples, _ = on_first_rank(lambda: workers.score_samples(
+            generate_rollouts(engine, workers, tokenizer, repeated, cfg, cfg.seed, temperature), repeated, tokenizer,
+            cfg.max_new_tokens, cfg.overlong_buffer), par.tp)
         return torch.tensor([s.score for s in samples]).view(-1, n) >= 1
     sampled = solved(cfg.eval_k, cfg.eval_temperature)
-    sums = {"greedy": solved(1, 0.0).sum().item(), "mean_at_k": sampled.float().mean(1).sum().item(),
-            "pass_at_k": sampled.any(1).sum().item(), "prompts": len(rows)}
-    sums, _ = reduce_over_ranks(sums, {}, mesh)
-    n = max(sums.pop("prompts"), 1)
-    return {"eval_greedy_acc": sums["greedy"] / n, f"eval_mean@{cfg.eval_k}": sums["mean_at_k"] / n,
-            f"eval_pass@{cfg.eval_k}": sums["pass_at_k"] / n, "eval_prompts": n}
+    sums = torch.tensor([solved(1, 0.0).sum(), sampled.float().mean(1).sum(), sampled.any(1).sum(), len(items)],
+                        dtype=torch.float64)
+    dist.all_reduce(sums, group=par.world)
+    greedy, mean_at_k, pass_at_k, n = (sums / par.mesh["tp"].size()).tolist()  # n >= 1: --eval_prompts >= 1
+    return {"eval_greedy_acc": greedy / n, f"eval_mean@{cfg.eval_k}": mean_at_k / n,
+            f"eval_pass@{cfg.eval_k}": pass_at_k / n, "eval_prompts": n}
 
 
-def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id):
-    """checkpoints/step_N: hf/, dcp/, trainer_state.json (data and sampling are seeded by step); .tmp, then renamed."""
+def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id, world):
+    """checkpoints/step_N: hf/, dcp/, trainer_state.json (data, sampling and lr follow the step); .tmp, then renamed."""
     rank, final = dist.get_rank(), os.path.join(cfg.out_dir, "checkpoints", f"step_{step:06d}")
     tmp = final + ".tmp"
     try:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-        dist.barrier()
+        dist.barrier(group=world)
         dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=f"{tmp}/dcp")
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:  # config and safetensors files of 5 GB at most, which load_weights streams one at a time
@@ -820,8 +827,7 @@ def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id):
             tokenizer.save_pretrained(os.path.join(tmp, "hf"))
             for file in glob.glob(os.path.join(tmp, "hf", "*")):
                 os.chmod(file, 0o644)  # transformers writes the weights 0600; readable like the rest
-            state = {"step": step, "wandb_id": wandb_id}  # the learning rate is a function of the step
-            pathlib.Path(tmp, "trainer_state.json").write_text(json.dumps(state))
+            pathlib.Path(tmp, "trainer_state.json").write_text(json.dumps({"step": step, "wandb_id": wandb_id}))
             os.replace(tmp, final)
             for old in complete_checkpoints(cfg.out_dir)[:-cfg.keep_checkpoints]:
                 shutil.rmtree(old)
@@ -830,7 +836,7 @@ def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id):
             shutil.rmtree(tmp, ignore_errors=True)
         raise SystemExit(f"saving {final} failed ({str(error).strip().splitlines()[-1][:300]}); removed {tmp}: free "
                          "space under --out_dir, then --resume auto continues from the last checkpoint")
-    dist.barrier()
+    dist.barrier(group=world)
     return final
 
 
@@ -898,8 +904,7 @@ def shut_down(engine, reward_workers, wandb_run):
             wandb_run.finish()
             wandb.teardown()  # and its service process
     finally:
-        if isinstance(engine, SGLangEngine):
-            engine.engine.shutdown()  # and its scheduler processes
+        engine.shutdown()  # and its scheduler processes
 
 
 def main():
@@ -909,29 +914,25 @@ def main():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    # gloo for objects and barriers: no NCCL kernel spins while an engine generates; the timeout covers its start.
     store = None if "MASTER_ADDR" in os.environ else dist.HashStore()  # `python train.py`: one process, no torchrun
     dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=rank, world_size=world, store=store,
-                            timeout=datetime.timedelta(hours=1), device_id=device if cuda else None)
+                            timeout=datetime.timedelta(hours=1), device_id=device if cuda else None)  # covers a start
     # Harmless notices of every run: no output of the model is changed in place; TP redistributes a few small tensors.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
     check_config(cfg, world)  # from here: everything that can be checked before a model is built
-    on_first_rank(lambda: write_config(cfg))
-    tokenizer, model_config = load_tokenizer_and_config(cfg)
+    par = parallel_groups(device.type, cfg.tp)
+    write_config(cfg, par)
     train_set = PromptDataset(cfg, "train")
     test_set = PromptDataset(cfg, "test") if cfg.eval_every > 0 else None  # no evaluation needs no test split
-    reward.check_prompt_lengths([*train_set, *(test_set or [])], tokenizer, cfg.max_new_tokens,
-                                model_config.max_position_embeddings, cfg.plain_template)
-    files = on_first_rank(lambda: weight_files(cfg) if cfg.model != "tiny" else [None])  # before any model is built
-    resumed_from = resume_folder(cfg, model_config)
+    tokenizer, model_config = load_tokenizer_and_config(cfg, [*train_set, *(test_set or [])])
+    files = on_first_rank(lambda: weight_files(cfg) if cfg.model != "tiny" else [None], par.world)
+    resumed_from = on_first_rank(lambda: resume_folder(cfg, model_config), par.world)  # before any model is built
     with announce(f"loading {cfg.model} and the engine{', resuming ' + resumed_from if resumed_from else ''}", rank):
-        mesh = init_device_mesh(device.type, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
-        model = build_model(model_config, mesh, device, cfg.activation_checkpointing)
-        ref_model = (build_model(model_config, mesh, device, offload=cfg.ref_on_cpu).requires_grad_(False)
-                     if cfg.beta > 0 else None)  # frozen: its log-probs are only read
-        load_weights([model, ref_model] if ref_model else [model], files, cfg, model_config)
+        model = build_model(model_config, par.mesh, device, cfg.activation_checkpointing)
+        ref_model = build_model(model_config, par.mesh, device).requires_grad_(False) if cfg.beta > 0 else None
+        load_weights([model, ref_model] if ref_model else [model], files, cfg, model_config, par.world)
         check_pushed_names(model, model_config)
         # Before any forward: FSDP2 then leaves root parameters unsharded, and an optimizer would hold stale tensors.
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -939,55 +940,55 @@ def main():
         wandb_run = open_run_dir(cfg, start_step, wandb_id) if rank == 0 else None
         # Forked before the engine and the signal handlers exist. Rank 0 shows the first failed call's traceback.
         reward_workers = reward.RewardWorkers(cfg.reward_workers, cfg.reward_timeout, show_first_error=rank == 0)
-        tp_group, pad_id = mesh["tp"].get_group(), tokenizer.pad_token_id or 0  # any id: padding is masked
-        free_gpu_cache(tp_group)  # SGLang sizes itself from the free memory it sees at start
-        engine = None
-        if mesh["tp"].get_local_rank() == 0:  # one engine per TP group, owned by the group's first rank
-            engine = HFEngine(model_config, device, pad_id) if cfg.engine == "hf" else SGLangEngine(cfg, model_config)
+        free_gpu_cache(par.tp)  # SGLang sizes itself from the free memory it sees at start
+        owner = par.mesh["tp"].get_local_rank() == 0  # one engine per TP group, run by the group's first rank
+        engine = HFEngine(model_config, device, owner) if cfg.engine == "hf" else \
+            SGLangEngine(cfg, model_config, owner, par.world)
     stop = stop_on_signal(rank)
     try:
-        push_weights(model, engine, cfg, tp_group)
+        engine.release_memory()  # the first push, as every other, finds the engine's memory released
+        push_weights(model, engine, cfg, par)
         run_start = time.perf_counter()
         for step in range(start_step, cfg.steps):
             start = time.perf_counter()  # generate, reward G samples per prompt (dynamic sampling: maybe more rounds)
-            samples, errors, dropped = collect_rollouts(engine, reward_workers, train_set, tokenizer, cfg, step, mesh)
-            if isinstance(engine, SGLangEngine):
-                engine.release_memory()
+            samples, errors, dropped = collect_rollouts(engine, reward_workers, train_set, tokenizer, cfg, step, par)
+            engine.release_memory()
             rollout_done = time.perf_counter()
-            first_stored = 0 if cfg.kl_in_reward else len(samples) // cfg.num_minibatches  # the first's: at its step
-            store_logprobs(model, samples[first_stored:], "old_logprobs", cfg, mesh, pad_id)
+            first_stored = 0 if cfg.kl_in_reward else len(samples) // cfg.num_minibatches  # the first is on-policy
+            store_logprobs(model, samples[first_stored:], "old_logprobs", cfg, par)
             if ref_model is not None:
-                store_logprobs(ref_model, samples, "ref_logprobs", cfg, mesh, pad_id)
+                store_logprobs(ref_model, samples, "ref_logprobs", cfg, par)
                 ref_model.reshard()  # FSDP keeps root parameters whole after a forward that has no backward
             set_advantages(samples, cfg)  # within each group of G
             for group in optimizer.param_groups:  # a function of the step, so a resumed run has nothing to restore
                 group["lr"] = cfg.lr * lr_factor(step, cfg)
-            train_sums = train_on_rollouts(model, optimizer, samples, cfg, mesh, pad_id)  # loss and update
+            sums = train_on_rollouts(model, optimizer, samples, cfg, par)  # loss and update
             train_done = time.perf_counter()
-            push_weights(model, engine, cfg, tp_group)  # the new weights into the engine
+            push_weights(model, engine, cfg, par)  # the new weights into the engine
             end = time.perf_counter()
-            times = dict(time_rollout=rollout_done - start, time_train=train_done - rollout_done,
-                         time_push=end - train_done, time_step=end - start,
-                         eta_s=(end - run_start) / (step + 1 - start_step) * (cfg.steps - step - 1))
-            metrics, stopping = step_metrics(samples, train_sums, errors, dropped, times, stop.is_set(),
-                                             optimizer.param_groups[0]["lr"], mesh)
+            metrics = step_metrics(samples, sums, errors, dropped, par)
+            metrics.update(time_rollout=rollout_done - start, time_train=train_done - rollout_done,
+                           time_push=end - train_done, time_step=end - start, lr=optimizer.param_groups[0]["lr"],
+                           eta_s=(end - run_start) / (step + 1 - start_step) * (cfg.steps - step - 1))  # rank 0's
+            stopping = torch.tensor(int(stop.is_set()))
+            dist.all_reduce(stopping, op=dist.ReduceOp.MAX, group=par.world)  # a signal to any rank stops all
             last = step + 1 == cfg.steps
             if cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):  # evaluate, then log
                 with announce(f"evaluating on {min(cfg.eval_prompts, len(test_set))} held-out prompts", rank):
-                    metrics.update(evaluate(engine, tokenizer, test_set, reward_workers, cfg, mesh))
+                    metrics.update(evaluate(engine, tokenizer, test_set, reward_workers, cfg, par))
             if rank == 0:
                 log_step(step, metrics, cfg, wandb_run, samples[0], tokenizer)
             if stopping or last or (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0):  # on a signal: save, stop
                 with announce(f"saving the checkpoint of step {step + 1}", rank):
                     path = save_checkpoint(cfg, step + 1, model, optimizer, tokenizer,
-                                           wandb_run.id if wandb_run else wandb_id)
+                                           wandb_run.id if wandb_run else wandb_id, par.world)
             if stopping:
                 if rank == 0:
                     print(f"stopped after step {step + 1}: checkpoint {path}; continue with --resume auto", flush=True)
                 break
     finally:  # no orphaned engine or reward processes, whatever ended the run
         shut_down(engine, reward_workers, wandb_run)
-    dist.barrier()  # gloo aborts a rank whose peer tears down first
+    dist.barrier(group=par.world)  # gloo aborts a rank whose peer tears down first
     dist.destroy_process_group()
 
 

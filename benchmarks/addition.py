@@ -31,14 +31,14 @@ JOB = dict(task="addition", train_size=700, test_size=200, prompts_per_step=4, g
 def held_out_greedy_accuracy(folder, cfg):
     """Greedy accuracy on the first --eval_prompts held-out prompts, as train.py's evaluation scores them."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    engine = train.HFEngine(AutoConfig.from_pretrained(folder), torch.device("cpu"), tokenizer.pad_token_id or 0)
+    engine = train.HFEngine(AutoConfig.from_pretrained(folder), torch.device("cpu"), owner=True)
     engine.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     test_set = train.PromptDataset(cfg, "test")
     items = [test_set[i] for i in range(cfg.eval_prompts)]
     prompts = [reward.encode_prompt(tokenizer, item["prompt"]) for item in items]
-    samples = engine.generate(prompts, 0.0, 1.0, [cfg.max_new_tokens] * len(prompts), reward.stop_token_ids(tokenizer),
+    outputs = engine.generate(prompts, [cfg.max_new_tokens] * len(prompts), 0.0, 1.0, reward.stop_token_ids(tokenizer),
                               cfg.seed)
-    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in outputs]
     return sum(reward.reward_fn(text, item) >= 1 for text, item in zip(texts, items)) / len(items)
 
 
@@ -62,7 +62,7 @@ def run_trl(folder, out_dir, steps, eval_every):
     cfg = train.Config(model=folder, **JOB)
     train_set, rows = train.PromptDataset(cfg, "train"), []
     for step in range(steps):  # the same prompts, step by step, as train.py draws them
-        rows += train.step_rows(train_set, step, cfg, 0, 1)
+        rows += train.step_items(train_set, step, cfg, 0, 1)
     data = datasets.Dataset.from_list([{key: r[key] for key in ("prompt", "answer", "task")} for r in rows])
 
     def addition_reward(completions, answer, task, **_):

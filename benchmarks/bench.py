@@ -16,6 +16,7 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -53,16 +54,17 @@ def measure(work):
 
 # ----------------------------------------------------------------------------- load
 def load(rank, world, folder, streamed):
-    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
+    par = train.parallel_groups("cpu", 1)
     config = AutoConfig.from_pretrained(folder)
 
     def streamed_load():  # train.py: meta device, shard, then one safetensors file at a time from rank 0
         cfg = train.Config(model=folder)
-        train.load_weights([train.build_model(config, mesh, torch.device("cpu"))], train.weight_files(cfg), cfg, config)
+        train.load_weights([train.build_model(config, par.mesh, torch.device("cpu"))], train.weight_files(cfg), cfg,
+                           config, par.world)
 
     def naive_load():  # every rank reads the whole checkpoint, then keeps its shards of it
         full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
-        model = train.build_model(config, mesh, torch.device("cpu"))
+        model = train.build_model(config, par.mesh, torch.device("cpu"))
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
         return model
 
@@ -79,10 +81,10 @@ def padding(batches):
 def padding_fractions():
     g = torch.Generator().manual_seed(0)  # responses of 200 to 2,000 tokens: lengths vary 10x
     lengths = [int(torch.randint(200, 2001, (1,), generator=g)) for _ in range(64)]
-    samples = [train.Sample([1] * 100, [2] * n, [True] * n, None) for n in lengths]
-    fixed = train.micro_batches(samples, train.Config(micro_batch_size=8))
+    samples = [train.Sample([1] * 100, [2] * n, [True] * n) for n in lengths]
+    fixed = train.micro_batches(samples, train.Config(micro_batch_size=8), None)  # no collective: no group
     budget = run_ranks(lambda rank, world: padding(train.micro_batches(
-        samples, train.Config(max_tokens_per_microbatch=8 * 2100))), 1)[0]
+        samples, train.Config(max_tokens_per_microbatch=8 * 2100), dist.group.WORLD)), 1)[0]
     return padding(fixed), budget
 
 
@@ -111,14 +113,14 @@ def logits_peak_trainer(rank, world, sequences, length, hidden_size, chunk):
     """train.py's response_logprobs on a 1-layer model with Qwen's vocabulary, vocabulary-sharded over tp = world."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(hidden_size, 1))
-    samples = [train.Sample([1] * 48, torch.randint(3, VOCAB, (length - 48,)).tolist(), [True] * (length - 48), None)
+    samples = [train.Sample([1] * 48, torch.randint(3, VOCAB, (length - 48,)).tolist(), [True] * (length - 48))
                for _ in range(sequences)]
     tp_mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))["tp"]
     cfg = train.Config(logprob_chunk=chunk)
     tracker = LiveLogits(math.ceil(VOCAB / world), hidden_size)
     start = time.perf_counter()
     with tracker:
-        logp, entropy = train.response_logprobs(model, samples, cfg, tp_mesh, pad_id=0)
+        logp, entropy = train.response_logprobs(model, samples, cfg, tp_mesh)
         ones = torch.ones_like(logp)
         train.policy_loss(logp, logp.detach(), ones, ones / len(logp), cfg, None, entropy)[0].backward()
     return tracker.peak, time.perf_counter() - start
@@ -127,23 +129,25 @@ def logits_peak_trainer(rank, world, sequences, length, hidden_size, chunk):
 # ----------------------------------------------------------------------------- one step, stage by stage
 def stages(rank, world, folder):
     """One GRPO step of the CPU engine on a small model with Qwen's vocabulary, dp = world."""
-    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
+    par = train.parallel_groups("cpu", 1)
     config = AutoConfig.from_pretrained(folder)
     cfg = train.Config(model=folder, group_size=4, max_new_tokens=64, micro_batch_size=8, logprob_chunk=512)
     (model, engine), t_load, m_load = measure(lambda: (
-        train.build_model(config, mesh, torch.device("cpu")), train.HFEngine(config, torch.device("cpu"), 0)))
-    train.load_weights([model], train.weight_files(cfg), cfg, config)
+        train.build_model(config, par.mesh, torch.device("cpu")), train.HFEngine(config, torch.device("cpu"), True)))
+    train.load_weights([model], train.weight_files(cfg), cfg, config, par.world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     push_cfg = train.Config(engine="hf", bucket_mb=64)
-    _, t_push, m_push = measure(lambda: train.push_weights(model, engine, push_cfg, mesh["tp"].get_group()))
+    _, t_push, m_push = measure(lambda: train.push_weights(model, engine, push_cfg, par))
     g = torch.Generator().manual_seed(rank)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (16, 32, 48, 64) for _ in range(4)]
-    samples, t_gen, m_gen = measure(lambda: engine.generate(prompts, 1.0, 1.0, [cfg.max_new_tokens] * len(prompts), [2],
-                                                                  seed=rank))
+    outputs, t_gen, m_gen = measure(lambda: engine.generate(prompts, [cfg.max_new_tokens] * len(prompts), 1.0, 1.0,
+                                                            [2], seed=rank))
+    samples = [train.Sample(prompt, ids, [True] * len(ids), logprobs)
+               for prompt, (ids, logprobs) in zip(prompts, outputs)]
     for sample in samples:
         sample.advantage = float(torch.randn(1, generator=g))
-    _, t_logp, m_logp = measure(lambda: train.store_logprobs(model, samples, "old_logprobs", cfg, mesh, 0))
-    _, t_train, m_train = measure(lambda: train.train_on_rollouts(model, optimizer, samples, cfg, mesh, 0))
+    _, t_logp, m_logp = measure(lambda: train.store_logprobs(model, samples, "old_logprobs", cfg, par))
+    _, t_train, m_train = measure(lambda: train.train_on_rollouts(model, optimizer, samples, cfg, par))
     return {"build": (t_load, m_load), "generate": (t_gen, m_gen), "logprobs": (t_logp, m_logp),
             "train": (t_train, m_train), "weight gather": (t_push, m_push)}
 

@@ -12,7 +12,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoConfig, AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,17 +36,19 @@ def main():
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=0, world_size=1)
     tokenizer, config = AutoTokenizer.from_pretrained(args.model), AutoConfig.from_pretrained(args.model)
-    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=("dp", "tp"))
-    model = train.build_model(config, mesh, device)
-    train.load_weights([model], train.weight_files(cfg), cfg, config)
+    par = train.parallel_groups(device.type, 1)
+    model = train.build_model(config, par.mesh, device)
+    train.load_weights([model], train.weight_files(cfg), cfg, config, par.world)
     workers = reward.RewardWorkers(8, timeout=5.0)
-    engine = (train.SGLangEngine(cfg, config) if args.engine == "sglang"
-              else train.HFEngine(config, device, tokenizer.pad_token_id or 0))
+    engine = (train.SGLangEngine(cfg, config, True, par.world) if args.engine == "sglang"
+              else train.HFEngine(config, device, True))
     try:
-        train.push_weights(model, engine, cfg, mesh["tp"].get_group())
-        rows = [train.PromptDataset(cfg, "test")[i] for i in range(args.n)]
+        engine.release_memory()  # as main(): a push finds the engine's memory released
+        train.push_weights(model, engine, cfg, par)
+        items = [train.PromptDataset(cfg, "test")[i] for i in range(args.n)]
         start = time.perf_counter()
-        samples, _ = train.generate_rollouts(engine, workers, tokenizer, rows, cfg, 0, 1, cfg.temperature)
+        samples = train.generate_rollouts(engine, workers, tokenizer, items, cfg, 0, cfg.temperature)
+        samples, _ = workers.score_samples(samples, items, tokenizer, cfg.max_new_tokens, cfg.overlong_buffer)
         seconds = time.perf_counter() - start
         used = [s for s in samples if s.tool_outputs]
         runs = sum(len(s.tool_outputs) for s in samples)

@@ -1,12 +1,15 @@
 """CPU stand-ins for sglang.Engine, which cannot start without a GPU: everything else train.SGLangEngine uses is the
 real sglang package (its serializer, tensor buckets and process teardown). The fakes follow the behaviour of sglang
-0.5.17 / 0.5.23 described in tests/sglang_api.md and record every call in `engine.calls`, in order.
+0.5.17 / 0.5.23 described in tests/sglang_api.md and record every call in `engine.calls`, in order. As sglang's
+TP rank 0 does (its rendezvous store), an engine holds its nccl_port from start to shutdown, and fails to start when
+the port is taken; it records the environment its processes would inherit (`environ`).
 
 Engine: 0.5.17 (no weight-update session). SessionEngine: 0.5.21+ (begin/end_weight_update, and updates outside a
 session fail). FailingEngine: every weight update reports (False, "boom")."""
 import json
 import os
 import signal
+import socket
 from collections import namedtuple
 
 import torch
@@ -23,6 +26,7 @@ SAMPLING_PARAMS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "te
                    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
                    "ignore_eos", "skip_special_tokens", "no_stop_trim", "logit_bias", "sampling_seed"}
 MEMORY_TAGS = ["kv_cache", "weights", "cuda_graph"]
+STARTED = []  # every engine started in this process, so that a test can close the ports they hold
 FlushCacheReqOutput = namedtuple("FlushCacheReqOutput", "success message")
 
 
@@ -34,6 +38,14 @@ class Engine:
         self.kwargs = kwargs
         # What the engine's spawned processes would inherit.
         self.signals_at_start = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.environ = dict(os.environ)
+        self.port = socket.socket()
+        try:
+            self.port.bind(("127.0.0.1", kwargs["nccl_port"]))
+        except OSError as error:  # sglang's scheduler dies in its rendezvous, and the Engine fails to start
+            self.port.close()
+            raise RuntimeError(f"nccl_port {kwargs['nccl_port']} is taken: {error}") from error
+        STARTED.append(self)
         with open(os.path.join(kwargs["model_path"], "config.json")) as f:
             self.model_config = json.load(f)  # the architecture comes from disk, as load_format="dummy" needs
         self.tp_size = kwargs.get("tp_size", 1)
@@ -102,6 +114,7 @@ class Engine:
     def shutdown(self):
         """As sglang's: after stopping its own parts, SIGKILL every child process of the caller."""
         self.calls.append(("shutdown",))
+        self.port.close()
         kill_process_tree(os.getpid(), include_parent=False)
 
 

@@ -1,27 +1,41 @@
 """The real sglang 0.5.23 weight-update path on CPU processes, for tests/test_sglang_contract.py.
 
 What is real (sglang's own code, unchanged):
-- engine side, one spawned process per engine TP rank: ServerArgs (device="cpu", load_format="dummy"), publish() of the
-  runtime context, sglang's distributed bootstrap (gloo groups among the engine ranks), the dummy-loaded model from
-  sglang.srt.model_loader.get_model, SchedulerWeightUpdaterManager, TpModelWorker.deserialize_own_rank and
-  weight_update_runners, the model runner's WeightUpdater (begin/end_weight_update, update_weights_from_tensor,
-  _update_weights_from_flattened_bucket), Qwen2 / Qwen3 load_weights, SchedulerFlushWrapper, and sglang's
-  TypeBasedDispatcher with the weight-update entries of Scheduler.init_request_dispatcher;
+- engine side, one spawned process per engine TP rank (dp engines of tp ranks each): ServerArgs built from the very
+  arguments train.SGLangEngine passes sglang.Engine (device="cpu" added), publish() of the runtime context, sglang's
+  distributed bootstrap on the nccl_port the trainer chose (gloo groups among an engine's ranks), its measurement of
+  the memory before the model loads with the TP memory-balance check (bootstrap.measure_pre_model_load_memory, as
+  ModelRunner.init_torch_distributed calls it), the dummy-loaded model from sglang.srt.model_loader.get_model,
+  SchedulerWeightUpdaterManager, TpModelWorker.deserialize_own_rank and weight_update_runners, the model runner's
+  WeightUpdater (begin/end_weight_update, update_weights_from_tensor, _update_weights_from_flattened_bucket), Qwen2 /
+  Qwen3 load_weights, SchedulerFlushWrapper, and sglang's TypeBasedDispatcher with the weight-update and memory
+  entries of Scheduler.init_request_dispatcher;
 - on the wire: the io_struct requests and replies, msgpack-encoded by io_struct.msgpack_encode as sock_send does;
-- trainer side: the sglang.Engine class (made with object.__new__) whose methods build the requests, and the trainer's
-  train.SGLangEngine / train.push_weights on a sharded model (FSDP2 + DTensor TP over gloo, tests/test_parallel.py).
+- trainer side, dp x tp gloo ranks: train.parallel_groups, train.SGLangEngine (constructed on every rank: the port,
+  the barrier, the environment, the engine's config.json, the warm-up request) over the real sglang.Engine class, and
+  train.push_weights on the trainer's sharded model (FSDP2 + DTensor TP, loaded by train.load_weights).
 
 What is replaced:
-- the ZMQ sockets, by multiprocessing queues: QueueTokenizerManager sends each request to every engine rank (in sglang
-  rank 0 receives it and broadcasts it over the TP group) and, like the tokenizer manager, keeps rank 0's reply;
+- sglang.Engine.__init__, which would spawn the scheduler processes: HarnessEngine builds ServerArgs from the same
+  arguments and has the engine ranks (already running, to save sglang's import per test) load the model, handing them
+  the SGLANG_* and TORCHELASTIC_* variables of the trainer's environment at that moment, as spawned schedulers
+  inherit them; the engine processes are reused from test to test, so their groups are built once, on the first
+  nccl_port they are given;
+- the ZMQ sockets, by multiprocessing queues: QueueTokenizerManager sends each request to every rank of its engine (in
+  sglang rank 0 receives it and broadcasts it over the TP group) and, like the tokenizer manager, keeps rank 0's reply;
 - the Scheduler, TpModelWorker and ModelRunner objects, by light stand-ins that hold the real components above
-  (the real ones need a KV cache, a tokenizer or a GPU); there is no KV cache, so a cache flush only counts;
-- the memory saver is sglang's no-op adapter (torch_memory_saver needs CUDA).
+  (the real ones need a KV cache, a tokenizer or a GPU); there is no KV cache, so a cache flush only counts, and no
+  generation: the tokenizer manager stand-in records a generate request and answers it with no tokens;
+- the memory saver is sglang's no-op adapter (torch_memory_saver needs CUDA);
+- the free memory sglang's probe reads (get_free_cpu_memory on CPU): engine TP rank r reports FREE_GIB[r], 8 GiB less
+  per rank, as GPUs whose trainer ranks hold different shards and caches do, so that the balance check has something
+  to find.
 
 An engine rank that raises (sglang's scheduler would crash and SIGQUIT the engine) answers every later request with
-its traceback until the next load_model(), which builds a fresh model and manager: the "restarted" engine.
+its traceback until the next load, which builds a fresh model and manager: the "restarted" engine.
 The engine ranks never run sglang's CPU engine branches (SGLANG_USE_CPU_ENGINE stays unset), so the weight loaders
-take the branches they take on a GPU; tests/sglang_cpu_stubs/ supplies torchvision and vllm._custom_ops there only.
+take the branches they take on a GPU; tests/sglang_cpu_stubs/ supplies torchvision and vllm._custom_ops there and to
+the trainer ranks, which import sglang.Engine.
 """
 import io
 import logging
@@ -39,6 +53,9 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 STUBS = os.path.join(TESTS, "sglang_cpu_stubs")
 TIMEOUT = 300  # seconds for any one step; starting includes importing sglang (~6 s alone, ~10 s as 4 start at once)
+FREE_GIB = (40, 32, 24, 16)  # what engine TP rank r's memory probe reports, in GiB (module docstring)
+INHERITED = ("SGLANG_", "TORCHELASTIC_")  # the trainer's variables that reach the engine processes in the harness
+HARNESS_ENV = ("SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_USE_CPU_ENGINE")  # the engine ranks' own (engine_rank_main)
 
 
 def child_sys_path(with_stubs):
@@ -131,15 +148,27 @@ def tp_worker_stand_in(runner):
 class EngineRank:
     """One engine TP rank: sglang's runtime context and groups, a dummy-loaded model, the real updater stack."""
 
-    def __init__(self, tp_rank, tp_size, dist_port):
-        self.tp_rank, self.tp_size, self.dist_port = tp_rank, tp_size, dist_port
+    def __init__(self, tp_rank, tp_size):
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.groups_built = False
         self.crashed = None  # the traceback of the request that "killed" this scheduler
         self.requests_seen = []
+        self.inherited = set()  # the trainer's variables the last load set
+        self.own_environ = {k for k in os.environ if k.startswith(INHERITED) and k not in HARNESS_ENV}
 
-    def load_model(self, model_path):
-        """ModelRunner's steps on CPU: publish, (once) the groups, ModelConfig, get_model; every parameter NaN."""
+    def inherit(self, environ):
+        """The trainer's SGLANG_* and TORCHELASTIC_* variables as a scheduler spawned now would see them."""
+        given = {k: v for k, v in environ.items() if k.startswith(INHERITED) and k not in HARNESS_ENV}
+        for name in (self.own_environ | self.inherited) - set(given):
+            os.environ.pop(name, None)
+        os.environ.update(given)
+        self.own_environ, self.inherited = set(), set(given)
+
+    def load_model(self, engine_kwargs, environ):
+        """The scheduler's steps on CPU, with the arguments sglang.Engine was given: publish, (once) the groups on
+        nccl_port, ModelConfig, the memory baseline and its TP balance check, get_model; every parameter NaN."""
         import torch
+        import sglang.srt.utils.common as common
         from sglang.srt.configs.device_config import DeviceConfig
         from sglang.srt.configs.load_config import LoadConfig
         from sglang.srt.configs.model_config import ModelConfig
@@ -150,17 +179,26 @@ class EngineRank:
         from sglang.srt.server_args import ServerArgs
         from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
 
-        server_args = ServerArgs(model_path=model_path, device="cpu", load_format="dummy", tp_size=self.tp_size,
-                                 dtype="bfloat16", skip_tokenizer_init=True, random_seed=0)
+        self.inherit(environ)
+        self.crashed, self.requests_seen = "its last load failed", []  # a failed load leaves a dead scheduler
+        server_args = ServerArgs(**engine_kwargs, device="cpu")
+        gpu_id = engine_kwargs.get("base_gpu_id", 0) + self.tp_rank  # as _launch_scheduler_processes places ranks
         # As run_scheduler_process does; re-publishing for the next model is last-publish-wins.
-        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=self.tp_rank, gpu_id=self.tp_rank))
+        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=self.tp_rank, gpu_id=gpu_id))
         model_config = ModelConfig.from_server_args(server_args)
         if not self.groups_built:  # once per process, as in Scheduler.__init__
-            bootstrap.init_parallel_runtime(server_args=server_args, device="cpu", dist_port=self.dist_port)
+            bootstrap.init_parallel_runtime(server_args=server_args, device="cpu",
+                                            dist_port=engine_kwargs["nccl_port"])
             self.groups_built = True
         bootstrap.init_layer_runtime(model_config=model_config)
-        model = get_model(model_config=model_config, load_config=LoadConfig(load_format="dummy"),
-                          device_config=DeviceConfig("cpu", self.tp_rank))
+        probe = common.get_free_cpu_memory
+        common.get_free_cpu_memory = lambda: FREE_GIB[self.tp_rank] << 30
+        try:  # ModelRunner.init_torch_distributed: the KV budget's baseline, and the TP memory-balance check
+            bootstrap.measure_pre_model_load_memory(device="cpu", is_draft_worker=False)
+        finally:
+            common.get_free_cpu_memory = probe
+        model = get_model(model_config=model_config, load_config=LoadConfig(load_format=engine_kwargs["load_format"]),
+                          device_config=DeviceConfig("cpu", gpu_id))
         with torch.no_grad():
             for param in model.parameters():
                 param.fill_(float("nan"))
@@ -172,7 +210,7 @@ class EngineRank:
             flush_cache=self.scheduler.flush_cache, is_fully_idle=self.scheduler.is_fully_idle,
             scheduler=self.scheduler, metrics_collector=None)
         self.dispatch = self.dispatcher()
-        self.crashed, self.requests_seen = None, []
+        self.crashed = None
 
     def dispatcher(self):
         """The weight-update entries of Scheduler.init_request_dispatcher, to the same handlers."""
@@ -229,7 +267,7 @@ class EngineRank:
 
 
 def try_cpu_tensor_ipc_pickle():
-    """What sglang's monkey_patch_torch_reductions() (train.sglang_payloads applies it where CUDA is present) does to
+    """What sglang's monkey_patch_torch_reductions() (train.SGLangEngine applies it where CUDA is present) does to
     pickling a CPU tensor for IPC."""
     import torch
     from sglang.srt.utils import MultiprocessingSerializer
@@ -242,54 +280,60 @@ def try_cpu_tensor_ipc_pickle():
     return "ok"
 
 
-def engine_rank_main(tp_rank, tp_size, dist_port, requests, to_tokenizer, to_harness, sys_path):
-    """An engine TP rank: encoded io_struct requests (bytes) answer to the tokenizer stand-in, harness commands
-    (tuples) to the test process."""
+def engine_rank_main(engine, tp_rank, tp_size, gpus, requests, to_owner, to_harness, sys_path):
+    """Rank tp_rank of engine `engine`: encoded io_struct requests (bytes) and the owner's ("load", kwargs, environ)
+    answer to the owner's tokenizer stand-in, the test process's commands (tuples) to the test process."""
     sys.path[:] = sys_path
     os.environ.pop("SGLANG_USE_CPU_ENGINE", None)  # the GPU branches of the loaders (module docstring)
-    # sglang binds each CPU rank's OpenMP threads to cores; one core per rank on this 2-core machine.
-    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % os.cpu_count()) for r in range(tp_size))
+    # sglang binds each CPU rank's OpenMP threads to cores, by gpu_id; one core per rank on this 2-core machine.
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(g % os.cpu_count()) for g in range(gpus))
     start = time.perf_counter()
     log = quiet_logging()
+    key = (engine, tp_rank)
     try:
         import torch
         torch.set_num_threads(1)
         import sglang.srt.managers.scheduler  # noqa: F401  the heavy part of the imports, timed here
-        rank = EngineRank(tp_rank, tp_size, dist_port)
-        to_harness.put((tp_rank, ("ready", time.perf_counter() - start), None))
+        rank = EngineRank(tp_rank, tp_size)
+        to_harness.put((key, ("ready", time.perf_counter() - start), None))
     except BaseException:
-        to_harness.put((tp_rank, None, failure()))
+        to_harness.put((key, None, failure()))
         return
     while True:
         message = requests.get()
         if isinstance(message, bytes):
             try:
-                to_tokenizer.put((tp_rank, rank.handle_request(message), None))
+                to_owner.put((tp_rank, rank.handle_request(message), None))
             except BaseException:
-                to_tokenizer.put((tp_rank, None, failure()))
+                to_owner.put((tp_rank, None, failure()))
             continue
         command, *args = message
         if command == "stop":
             rank.shut_down()
-            for replies in (to_tokenizer, to_harness):
+            for replies in (to_owner, to_harness):
                 replies.close()
                 replies.join_thread()
             os._exit(0)  # skips C++ teardown that takes ~4 s here; nothing is left to flush
-        try:
-            if command == "load":
+        if command == "load":  # from the owner's HarnessEngine, as a scheduler process starts
+            try:
                 began = time.perf_counter()
-                rank.load_model(*args)
                 log.clear()
-                result = time.perf_counter() - began
-            elif command == "weights":
+                rank.load_model(*args)
+                to_owner.put((tp_rank, (time.perf_counter() - began, list(log)), None))
+                log.clear()
+            except BaseException:
+                to_owner.put((tp_rank, None, failure()))
+            continue
+        try:
+            if command == "weights":
                 result = (rank.weights(), list(log))
             elif command == "ipc_pickle":
                 result = try_cpu_tensor_ipc_pickle()
             else:
                 raise ValueError(f"unknown harness command {command!r}")
-            to_harness.put((tp_rank, result, None))
+            to_harness.put((key, result, None))
         except BaseException:
-            to_harness.put((tp_rank, None, failure()))
+            to_harness.put((key, None, failure()))
 
 
 # ----------------------------------------------------------------------------- trainer side
@@ -304,12 +348,12 @@ class QueueTokenizerManager:
 
     def __init__(self, requests, replies, timeout=TIMEOUT):
         self.requests, self.replies, self.timeout = requests, replies, timeout
+        self.generate_requests = []
 
-    def _call(self, request):
-        from sglang.srt.managers.io_struct import msgpack_decode, msgpack_encode
-        data = msgpack_encode(request)  # as sock_send: a request that msgpack cannot carry fails here
+    def _gather(self, message):
+        """message to every rank of the engine; their answers by rank, or EngineRankFailed with every traceback."""
         for ranks_queue in self.requests:
-            ranks_queue.put(data)
+            ranks_queue.put(message)
         answers = {}
         for _ in self.requests:  # every rank answers the harness; sglang would only hear rank 0
             rank, reply, error = self.replies.get(timeout=self.timeout)
@@ -317,7 +361,21 @@ class QueueTokenizerManager:
         errors = [f"engine TP rank {r}:\n{error}" for r, (_, error) in sorted(answers.items()) if error]
         if errors:
             raise EngineRankFailed("\n".join(errors))
-        return [msgpack_decode(answers[0][0])]
+        return [answers[r][0] for r in range(len(self.requests))]
+
+    def start_engine(self, engine_kwargs, environ):
+        """Every rank loads the model, as the scheduler processes sglang.Engine spawns; per rank (seconds, log)."""
+        return self._gather(("load", engine_kwargs, environ))
+
+    def _call(self, request):
+        from sglang.srt.managers.io_struct import msgpack_decode, msgpack_encode
+        return [msgpack_decode(self._gather(msgpack_encode(request))[0])]  # msgpack: as sock_send
+
+    async def generate_request(self, obj, request=None):
+        """No generation here: the request normalized as the tokenizer manager does, recorded, answered empty."""
+        obj.normalize_batch_and_arguments()
+        self.generate_requests.append((obj.input_ids, obj.sampling_params))
+        yield {"output_ids": [], "meta_info": {}}
 
     async def begin_weight_update(self, obj, request=None):
         from sglang.srt.managers.communicator import FanOutCommunicator
@@ -344,26 +402,34 @@ class QueueTokenizerManager:
         self._call(obj)
 
 
-def make_engine(requests, replies):
-    """train.SGLangEngine around the real sglang.Engine, both without __init__ (which would launch sglang's own
-    processes): the Engine's weight-update methods need only a loop and a tokenizer manager."""
-    import train
+def harness_engine_class(requests, replies):
+    """sglang.Engine for a trainer rank: the real class, whose __init__ builds ServerArgs from the arguments as
+    sglang's does and starts the engine ranks of `requests` instead of spawning schedulers (module docstring)."""
     from sglang.srt.entrypoints.engine import Engine  # the class that the lazy sglang.Engine resolves to
-    engine = object.__new__(Engine)
-    engine.loop = Engine._ensure_event_loop()
-    engine.tokenizer_manager = QueueTokenizerManager(requests, replies)
-    trainer_engine = object.__new__(train.SGLangEngine)
-    trainer_engine.engine, trainer_engine.released = engine, False
-    return trainer_engine
+
+    class HarnessEngine(Engine):
+        unset_environ = ()  # names left out of what the engine inherits (a trainer that did not set them)
+
+        def __init__(self, **kwargs):  # noqa: the real __init__ launches sglang's processes
+            if "log_level" not in kwargs:
+                kwargs["log_level"] = "error"
+            self.server_args = self.server_args_class(**kwargs)  # sglang's own check of the arguments
+            self.kwargs = dict(kwargs)
+            self.environ = {k: v for k, v in os.environ.items() if k not in self.unset_environ}
+            self.tokenizer_manager = QueueTokenizerManager(requests, replies)
+            self.loads = self.tokenizer_manager.start_engine(self.kwargs, self.environ)
+            self.loop = Engine._ensure_event_loop()
+
+    return HarnessEngine
 
 
 class SessionlessView:
     """The Engine as train.SGLangEngine sees an sglang older than 0.5.21: no begin/end_weight_update."""
 
     def __init__(self, engine):
-        self.update_weights_from_tensor = engine.update_weights_from_tensor
-        self.flush_cache = engine.flush_cache
-        self.resume_memory_occupation = engine.resume_memory_occupation
+        for name in ("update_weights_from_tensor", "flush_cache", "release_memory_occupation",
+                     "resume_memory_occupation"):
+            setattr(self, name, getattr(engine, name))
 
 
 RESHAPES = {"transpose": lambda t: t.t().contiguous(), "half_columns": lambda t: t[:, :t.shape[1] // 2].contiguous()}
@@ -382,25 +448,41 @@ def mutate_buckets(rename, reshape):
     train.weight_buckets = buckets if rename or reshape else original
 
 
-def trainer_rank_main(rank, world, port, commands, results, engine_requests, engine_replies, sys_path):
-    """A trainer rank (dp 1, tp = world) on gloo; rank 0 owns the SGLangEngine, as train.main does."""
+def trainer_model(folder, par):
+    """The trainer's policy as main builds it: sharded over par.mesh, then the checkpoint in `folder` streamed in."""
+    import torch
+    import train
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(folder)
+    model = train.build_model(config, par.mesh, torch.device("cpu"))
+    cfg = train.Config(model=folder)
+    files = train.on_first_rank(lambda: train.weight_files(cfg), par.world)
+    train.load_weights([model], files, cfg, config, par.world)
+    return model
+
+
+def trainer_rank_main(rank, world, port, links, commands, results, sys_path):
+    """A trainer rank on gloo, on one node (LOCAL_RANK is the rank), for every engine shape of links: per shape, its
+    TP size and the requests and replies of this rank's engine (rank // tp), whose owner is the TP group's first rank,
+    as train.main arranges it. A shape's groups (train.parallel_groups) are made on its first command."""
     sys.path[:] = sys_path
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
     start = time.perf_counter()
     quiet_logging()
     try:
         import torch
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
+        import train  # noqa: F401  imported before the clock stops
         logging.getLogger("torch").setLevel(logging.ERROR)  # not DTensor's notes on sequential all-gathers
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
-        trainer_engine = make_engine(engine_requests, engine_replies) if rank == 0 else None
         results.put((rank, ("ready", time.perf_counter() - start), None))
     except BaseException:
         results.put((rank, None, failure()))
         return
+    shapes = [types.SimpleNamespace(tp=tp, requests=requests, replies=replies, par=None, engine_class=None,
+                                    engine=None) for tp, requests, replies in links]
     while True:
         command = commands.get()
         if command is None:
@@ -408,25 +490,45 @@ def trainer_rank_main(rank, world, port, commands, results, engine_requests, eng
             results.join_thread()
             os._exit(0)  # as the engine ranks: skips a slow C++ teardown, nothing is left to flush
         try:
-            results.put((rank, run_trainer_command(rank, mesh, trainer_engine, *command), None))
+            results.put((rank, run_trainer_command(rank, shapes[command[0]], *command[1:]), None))
         except BaseException:
             results.put((rank, None, failure()))
 
 
-def run_trainer_command(rank, mesh, trainer_engine, kind, options):
-    """"push": train.push_weights of the model saved in options["folder"]; "release": SGLangEngine.release_memory;
-    "update_outside_session": one bucket sent with no session open, sglang's (ok, message) returned unchecked."""
+def run_trainer_command(rank, shape, kind, options):
+    """"start": train.SGLangEngine on every rank for the model saved in options["folder"]; "release":
+    SGLangEngine.release_memory; "push": train.push_weights of that model; "update_outside_session": one bucket sent
+    with no session open, sglang's (ok, message) returned unchecked."""
+    import sglang
     import torch
     import train
-    from test_parallel import sharded_model
+    from transformers import AutoConfig
+    if shape.par is None:
+        shape.par = train.parallel_groups("cpu", shape.tp)
+    par, owner = shape.par, shape.par.mesh["tp"].get_local_rank() == 0
+    if kind == "start":
+        shape.engine = None
+        if owner:  # the only rank that starts sglang.Engine (the others need not import it)
+            shape.engine_class = shape.engine_class or harness_engine_class(shape.requests, shape.replies)
+            shape.engine_class.unset_environ = options.get("unset_environ", ())
+            sglang.Engine = shape.engine_class
+        cfg = train.Config(engine="sglang", tp=shape.tp, out_dir=options["out_dir"], seed=3)
+        shape.engine = train.SGLangEngine(cfg, AutoConfig.from_pretrained(options["folder"]), owner, par.world)
+        engine = shape.engine.engine
+        if engine is None:
+            return None
+        return {"rank": rank, "kwargs": engine.kwargs, "loads": engine.loads,
+                "generate": engine.tokenizer_manager.generate_requests,
+                "environ": {k: engine.environ.get(k) for k in ("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK",
+                                                               "TORCHELASTIC_USE_AGENT_STORE")}}
+    trainer_engine = shape.engine
     if kind == "release":
-        if trainer_engine is not None:
-            trainer_engine.release_memory()
+        trainer_engine.release_memory()
         return None
-    if kind == "update_outside_session":  # rank 0 alone: it serializes every engine rank's copy
+    if kind == "update_outside_session":  # the owner alone: it serializes every engine rank's copy
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-        if trainer_engine is None:
+        if trainer_engine.engine is None:
             return None
         bucket = FlattenedTensorBucket(named_tensors=[("model.norm.weight", torch.ones(4, dtype=torch.bfloat16))])
         payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
@@ -436,61 +538,81 @@ def run_trainer_command(rank, mesh, trainer_engine, kind, options):
         return engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket", flush_cache=False)
     assert kind == "push", kind
     began = time.perf_counter()
-    model = sharded_model(options["folder"], mesh)
+    model = trainer_model(options["folder"], par)
     built = time.perf_counter()
-    engine = trainer_engine.engine if trainer_engine else None
-    if trainer_engine and not options.get("session", True):
+    engine = trainer_engine.engine
+    if engine is not None and not options.get("session", True):
         trainer_engine.engine = SessionlessView(engine)
     mutate_buckets(options.get("rename", {}), options.get("reshape", {}))
     try:
         cfg = train.Config(engine="sglang", bucket_mb=options["bucket_mb"])
-        train.push_weights(model, trainer_engine, cfg, mesh["tp"].get_group())
+        train.push_weights(model, trainer_engine, cfg, par)
     finally:
         mutate_buckets({}, {})
-        if trainer_engine:
-            trainer_engine.engine = engine
+        trainer_engine.engine = engine
     return {"build_s": built - began, "push_s": time.perf_counter() - built}
 
 
 # ----------------------------------------------------------------------------- test process side
 class CPUEngineCluster:
-    """Engine TP ranks and trainer ranks (as many) in spawned processes, driven from the test process."""
+    """Trainer ranks (world of them) and, for one engine shape at a time, dp engines of tp ranks each (dp x tp =
+    world), in spawned processes, driven from the test process. The trainer ranks serve every shape of the world;
+    use(shape) starts that shape's engine processes, stopping another's first."""
 
-    def __init__(self, tp, timeout=TIMEOUT):
+    def __init__(self, world, shapes, timeout=TIMEOUT):
         ctx = multiprocessing.get_context("spawn")  # fresh interpreters: a fork would inherit the test's modules
-        self.tp, self.timeout, self.broken = tp, timeout, False
-        self.engine_requests = [ctx.Queue() for _ in range(tp)]
-        self.engine_to_tokenizer, self.engine_to_harness = ctx.Queue(), ctx.Queue()
-        self.trainer_commands = [ctx.Queue() for _ in range(tp)]
+        assert all(dp * tp == world for dp, tp in shapes)
+        self.ctx, self.world, self.shapes, self.timeout, self.broken = ctx, world, list(shapes), timeout, False
+        # Every queue exists from the start: a process gets its queues when it is spawned, never later.
+        self.engine_requests = [[[ctx.Queue() for _ in range(tp)] for _ in range(dp)] for dp, tp in shapes]
+        self.engine_to_owner = [[ctx.Queue() for _ in range(dp)] for dp, _ in shapes]  # the owners' tokenizers read
+        self.engine_to_harness = ctx.Queue()
+        self.trainer_commands = [ctx.Queue() for _ in range(world)]
         self.trainer_results = ctx.Queue()
-        engine_port, trainer_port = free_port(), free_port()
-        self.processes = [
-            ctx.Process(target=engine_rank_main, name=f"engine-tp{r}", daemon=True,
-                        args=(r, tp, engine_port, self.engine_requests[r], self.engine_to_tokenizer,
-                              self.engine_to_harness, child_sys_path(with_stubs=True)))
-            for r in range(tp)] + [
-            ctx.Process(target=trainer_rank_main, name=f"trainer-{r}", daemon=True,
-                        args=(r, tp, trainer_port, self.trainer_commands[r], self.trainer_results,
-                              self.engine_requests, self.engine_to_tokenizer, child_sys_path(with_stubs=r == 0)))
-            for r in range(tp)]
-        for process in self.processes:
+        trainer_port = free_port()
+        self.trainers = [
+            ctx.Process(target=trainer_rank_main, name=f"trainer-{g}", daemon=True,
+                        args=(g, world, trainer_port,
+                              [(tp, self.engine_requests[s][g // tp], self.engine_to_owner[s][g // tp])
+                               for s, (_, tp) in enumerate(shapes)],
+                              self.trainer_commands[g], self.trainer_results, child_sys_path(with_stubs=True)))
+            for g in range(world)]
+        self.engines, self.shape = [], None
+        for process in self.trainers:
             process.start()
         try:
-            self.engine_import_s = max(s for _, s in self._gather(self.engine_to_harness))
             self.trainer_import_s = max(s for _, s in self._gather(self.trainer_results))
         except BaseException:
             self.close()
             raise
 
+    def use(self, dp, tp):
+        """The engine processes of shape (dp, tp), started unless running; returns self."""
+        if self.shape == (dp, tp):
+            return self
+        self._stop_engines()
+        s = self.shapes.index((dp, tp))
+        self.engines = [
+            self.ctx.Process(target=engine_rank_main, name=f"engine{e}-tp{r}", daemon=True,
+                             args=(e, r, tp, self.world, self.engine_requests[s][e][r], self.engine_to_owner[s][e],
+                                   self.engine_to_harness, child_sys_path(with_stubs=True)))
+            for e in range(dp) for r in range(tp)]
+        for process in self.engines:
+            process.start()
+        self.shape = (dp, tp)
+        self.engine_import_s = max(s for _, s in self._gather(self.engine_to_harness))
+        return self
+
     def _gather(self, replies):
-        """Every rank's answer, in rank order; raises with the ranks' tracebacks if any failed. A rank still silent
-        soon after a peer failed is stuck in a collective: the cluster is then marked broken (start a new one)."""
+        """Every rank's answer (engine ranks: by (engine, tp rank)), in order; raises with the ranks' tracebacks if
+        any failed. A rank still silent soon after a peer failed is stuck in a collective: the cluster is then marked
+        broken (start a new one)."""
         out, errors, deadline = {}, [], time.monotonic() + self.timeout
-        while len(out) < self.tp:
+        while len(out) < self.world:
             try:
                 rank, value, error = replies.get(timeout=1)
             except queue.Empty:
-                dead = [p.name for p in self.processes if not p.is_alive()]
+                dead = [p.name for p in self.trainers + self.engines if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
                     self.broken = True
                     errors.append(f"no answer in time; processes that died: {dead}")
@@ -502,38 +624,52 @@ class CPUEngineCluster:
             out[rank] = value
         if errors:
             raise RuntimeError("\n".join(errors))
-        return [out[r] for r in range(self.tp)]
+        return [out[k] for k in sorted(out)]
 
     def _engine_command(self, *command):
-        for requests in self.engine_requests:
-            requests.put(command)
+        for requests in self.engine_requests[self.shapes.index(self.shape)]:
+            for ranks_queue in requests:
+                ranks_queue.put(command)
         return self._gather(self.engine_to_harness)
 
-    def load(self, model_path):
-        """Every engine rank builds the model of model_path's config.json, all parameters NaN; seconds per rank."""
-        return self._engine_command("load", model_path)
-
     def weights(self):
-        """Per engine rank: {"parameters", "buffers", "requests", "flushes"} and sglang's warnings since load."""
+        """Per engine, per engine TP rank: ({"parameters", "buffers", "requests", "flushes"}, sglang's warnings since
+        the load)."""
         import torch
-        return [(torch.load(io.BytesIO(data)), log) for data, log in self._engine_command("weights")]
+        dp, tp = self.shape
+        states = [(torch.load(io.BytesIO(data)), log) for data, log in self._engine_command("weights")]
+        return [states[e * tp:(e + 1) * tp] for e in range(dp)]
 
     def cpu_tensor_ipc_pickle(self):
         return self._engine_command("ipc_pickle")[0]
 
     def trainer(self, kind, **options):
-        """Run a trainer command on every trainer rank; rank 0's result."""
+        """Run a trainer command for the current shape on every trainer rank; their results in rank order."""
         for commands in self.trainer_commands:
-            commands.put((kind, options))
-        return self._gather(self.trainer_results)[0]
+            commands.put((self.shapes.index(self.shape), kind, options))
+        return self._gather(self.trainer_results)
 
-    def close(self):
-        for requests in self.engine_requests:
-            requests.put(("stop",))
-        for commands in self.trainer_commands:
-            commands.put(None)
-        for process in self.processes:
+    def start(self, folder, out_dir, **options):
+        """train.SGLangEngine on every trainer rank for the checkpoint in folder; per engine, its owner's record."""
+        return [r for r in self.trainer("start", folder=folder, out_dir=out_dir, **options) if r is not None]
+
+    def _stop_engines(self):
+        for requests in self.engine_requests[self.shapes.index(self.shape)] if self.shape else []:
+            for ranks_queue in requests:
+                ranks_queue.put(("stop",))
+        self._join(self.engines)
+        self.engines, self.shape = [], None
+
+    @staticmethod
+    def _join(processes):
+        for process in processes:
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
+
+    def close(self):
+        self._stop_engines()
+        for commands in self.trainer_commands:
+            commands.put(None)
+        self._join(self.trainers)

@@ -18,10 +18,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import reward
 import train
+from demo_model import demo_tokenizer
 from test_train import ROOT, metrics, torchrun
 
 FLAGS = ("--preset", "cpu", "--eval_every", "3", "--eval_prompts", "4")
-TIMING = ("time_", "tokens_per_s", "eta_s")
+TIMING = ("time_", "eta_s")
 
 
 def logged(out_dir):
@@ -59,9 +60,10 @@ def test_hf_folder_loads_with_from_pretrained_and_holds_the_trained_weights(tmp_
     model = AutoModelForCausalLM.from_pretrained(checkpoint / "hf")
     # The export loads as it was trained: the tokenizer (AutoTokenizer and train.py --model alike) gives the
     # training ids and round-trips; config and generation config carry the stop and pad ids; files are 0644.
-    trained_with = reward.char_tokenizer()
+    trained_with = demo_tokenizer()
     for tokenizer in (AutoTokenizer.from_pretrained(checkpoint / "hf"),
-                      train.load_tokenizer_and_config(train.Config(model=str(checkpoint / "hf")))[0]):
+                      train.load_tokenizer_and_config(train.Config(model=str(checkpoint / "hf"), max_new_tokens=1),
+                                                      [{"prompt": ""}])[0]):
         for text in ("Say a:", "a b\n\tc  d", string.printable):
             ids = tokenizer(text, add_special_tokens=False).input_ids
             assert ids == trained_with(text, add_special_tokens=False).input_ids and tokenizer.decode(ids) == text

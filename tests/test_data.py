@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 import reward
 import train
+from demo_model import demo_config, demo_tokenizer
 
 # ---------------------------------------------------------------------------------------------------------------
 # countdown
@@ -184,6 +185,22 @@ def test_gsm8k_from_a_local_folder_of_parquet_splits(tmp_path, datasets_cache):
     check_gsm8k_item(dataset[0])
 
 
+def test_data_path_is_read_for_a_generated_task_too(tmp_path, datasets_cache):
+    rows = [{"nums": [3, 5, 25], "target": 80}, {"nums": [2, 7], "target": 14}]
+    folder = jsonl_splits(tmp_path / "countdown", rows, rows[1:])
+    cfg = train.Config(task="countdown", data_path=folder, prompts_per_step=2)
+    assert [(item["nums"], item["target"]) for item in train.PromptDataset(cfg, "train")] == [([3, 5, 25], 80),
+                                                                                               ([2, 7], 14)]
+    assert [item["nums"] for item in train.PromptDataset(cfg, "test")] == [[2, 7]]
+    assert reward.load_rows("countdown", "train", "", 5, 2, 0) == reward.countdown_problems(7, 0)[2:]  # no path
+
+
+def test_any_task_name_parses_and_one_without_data_stops_naming_the_flag_and_the_tasks_with_data():
+    assert train.parse_config(["--task", "mnist"]).task == "mnist"  # a user's own task: no fixed list of choices
+    with pytest.raises(SystemExit, match="--task mnist: reward.py has no data for it .*countdown.*gsm8k"):
+        reward.load_rows("mnist", "train", "", 10, 10, 0)
+
+
 MATH_ROWS = [
     {"problem": "What is $\\frac{2}{4}$ in lowest terms?", "level": "Level 1", "type": "Prealgebra",
      "solution": "Divide both by 2: $\\frac{2}{4} = \\boxed{\\frac{1}{2}}$."},
@@ -262,8 +279,8 @@ def test_encode_prompt_encodes_a_string_prompt_as_is(qwen_tokenizer):
     want = qwen_tokenizer("Say a:", add_special_tokens=False).input_ids
     assert reward.encode_prompt(qwen_tokenizer, "Say a:") == want
     assert qwen_tokenizer.decode(reward.encode_prompt(qwen_tokenizer, "Say a:")) == "Say a:"
-    ids = reward.encode_prompt(reward.char_tokenizer(), "Say a:")
-    assert len(ids) == 6 and reward.char_tokenizer().decode(ids) == "Say a:"  # a token per character
+    ids = reward.encode_prompt(demo_tokenizer(), "Say a:")
+    assert len(ids) == 6 and demo_tokenizer().decode(ids) == "Say a:"  # a token per character
 
 
 def test_stop_token_ids_of_qwen_are_im_end_and_endoftext(qwen_tokenizer):
@@ -281,7 +298,7 @@ PRINTABLE = "".join(sorted(set(string.printable) - set("\r\x0b\x0c")))
 
 
 def test_char_tokenizer_round_trips_printable_text():
-    tok = reward.char_tokenizer()
+    tok = demo_tokenizer()
     for text in [PRINTABLE, "Say a: aaaa", "Hello , world ! it 's (3 + 4) * 5 = 35 .\n\tdon 't", "  two  spaces  "]:
         ids = tok(text, add_special_tokens=False).input_ids
         assert len(ids) == len(text)  # one id per character
@@ -289,7 +306,7 @@ def test_char_tokenizer_round_trips_printable_text():
 
 
 def test_char_tokenizer_eos_and_pad_are_single_ids():
-    tok = reward.char_tokenizer()
+    tok = demo_tokenizer()
     assert tok("<|im_end|>", add_special_tokens=False).input_ids == [tok.eos_token_id]
     assert tok("<|endoftext|>", add_special_tokens=False).input_ids == [tok.pad_token_id]
     assert tok.eos_token_id != tok.pad_token_id
@@ -298,68 +315,68 @@ def test_char_tokenizer_eos_and_pad_are_single_ids():
 
 
 def test_char_tokenizer_im_start_is_a_single_id():
-    tok = reward.char_tokenizer()
+    tok = demo_tokenizer()
     assert tok("<|im_start|>", add_special_tokens=False).input_ids == [tok.get_vocab()["<|im_start|>"]]
 
 
 def test_char_tokenizer_stop_ids_contain_eos():
-    tok = reward.char_tokenizer()
+    tok = demo_tokenizer()
     stops = reward.stop_token_ids(tok)
     assert tok.eos_token_id in stops
     assert stops == sorted({tok.get_vocab()["<|im_end|>"], tok.get_vocab()["<|endoftext|>"]})
 
 
 def test_the_char_tokenizer_has_no_chat_template_so_chat_prompts_render_the_plain_template():
-    tok = reward.char_tokenizer()
+    tok = demo_tokenizer()
     assert not tok.chat_template
     ids = reward.encode_prompt(tok, MESSAGES)  # so chat prompts render the plain template
     assert tok.decode(ids) == reward.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# step_rows: which prompts each data-parallel rank gets at each step
+# step_items: which prompts each data-parallel rank gets at each step
 
 
-def test_step_rows_splits_a_step_disjointly_over_dp_ranks():
+def test_step_items_splits_a_step_disjointly_over_dp_ranks():
     cfg = train.Config(prompts_per_step=8, seed=0)
     dataset = list(range(40))
     for step in range(7):
-        rank0, rank1 = (train.step_rows(dataset, step, cfg, r, 2) for r in range(2))
+        rank0, rank1 = (train.step_items(dataset, step, cfg, r, 2) for r in range(2))
         assert len(rank0) == len(rank1) == 4
         assert not set(rank0) & set(rank1)
         assert len(set(rank0) | set(rank1)) == 8
 
 
-def test_step_rows_is_deterministic():
+def test_step_items_is_deterministic():
     cfg = train.Config(prompts_per_step=8, seed=5)
     dataset = list(range(40))
     for step in (0, 3, 11):
-        assert train.step_rows(dataset, step, cfg, 1, 2) == train.step_rows(dataset, step, cfg, 1, 2)
+        assert train.step_items(dataset, step, cfg, 1, 2) == train.step_items(dataset, step, cfg, 1, 2)
 
 
-def test_step_rows_never_repeats_a_row_within_an_epoch():
+def test_step_items_never_repeats_a_row_within_an_epoch():
     cfg = train.Config(prompts_per_step=8, seed=0)
     dataset = list(range(43))  # 5 steps an epoch; 3 rows left over
     for epoch in range(2):
         seen = [row for step in range(5 * epoch, 5 * epoch + 5) for r in range(2)
-                for row in train.step_rows(dataset, step, cfg, r, 2)]
+                for row in train.step_items(dataset, step, cfg, r, 2)]
         assert len(seen) == len(set(seen)) == 40
-    assert train.step_rows(dataset, 0, cfg, 0, 2) != train.step_rows(dataset, 5, cfg, 0, 2)  # reshuffled
+    assert train.step_items(dataset, 0, cfg, 0, 2) != train.step_items(dataset, 5, cfg, 0, 2)  # reshuffled
 
 
 def test_dynamic_sampling_rounds_draw_other_prompts_the_same_way_every_time():
     cfg = train.Config(prompts_per_step=8, seed=0)
     dataset = list(range(400))
-    first, again, extra = (train.step_rows(dataset, 3, cfg, 1, 2, r) for r in (0, 0, 1))
-    assert first == again and extra == train.step_rows(dataset, 3, cfg, 1, 2, 1)
+    first, again, extra = (train.step_items(dataset, 3, cfg, 1, 2, r) for r in (0, 0, 1))
+    assert first == again and extra == train.step_items(dataset, 3, cfg, 1, 2, 1)
     assert extra != first and len(extra) == 4
 
 
-def test_step_rows_returns_dataset_items():
+def test_step_items_returns_dataset_items():
     cfg = train.Config(task="countdown", train_size=20, test_size=5, prompts_per_step=4)
     dataset = train.PromptDataset(cfg, "train")
-    rows = train.step_rows(dataset, 0, cfg, 0, 2)
-    assert len(rows) == 2 and all(row["task"] == "countdown" and row["prompt"] for row in rows)
+    items = train.step_items(dataset, 0, cfg, 0, 2)
+    assert len(items) == 2 and all(item["task"] == "countdown" and item["prompt"] for item in items)
 
 
 def test_a_split_with_fewer_rows_than_prompts_per_step_names_the_flag():
@@ -430,8 +447,8 @@ def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):
         train.check_config(train.Config(**flags), world)
 
 
-@pytest.mark.parametrize("flag, value", [("--task", "mnist"), ("--loss_agg", "mean"), ("--kl_estimator", "k4"),
-                                         ("--engine", "vllm"), ("--lr_schedule", "linear"), ("--preset", "gpu9000")])
+@pytest.mark.parametrize("flag, value", [("--loss_agg", "mean"), ("--kl_estimator", "k4"), ("--engine", "vllm"),
+                                         ("--lr_schedule", "linear"), ("--preset", "gpu9000")])
 def test_a_choice_outside_its_list_is_refused_naming_the_flag_and_the_choices(flag, value, capsys):
     with pytest.raises(SystemExit):
         train.parse_config([flag, value])
@@ -461,26 +478,32 @@ def test_check_config_accepts_valid_configs():
 
 
 def test_prompts_that_leave_no_room_for_max_new_tokens_stop_the_run_naming_the_flag_and_the_bound():
-    tokenizer = reward.char_tokenizer()  # one token a character
+    tokenizer = demo_tokenizer()  # one token a character
     items = [{"prompt": "Say a:"}, {"prompt": [{"role": "user", "content": "x" * 40}]}]
     longest = max(len(reward.encode_prompt(tokenizer, item["prompt"])) for item in items)
     assert longest >= 40
-    reward.check_prompt_lengths(items, tokenizer, 512 - longest, 512)  # fits exactly
+    # --model tiny's context is 512 tokens
+    train.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=512 - longest), items)  # fits exactly
     with pytest.raises(SystemExit, match=f"{longest} tokens: with --max_new_tokens {513 - longest} .* length 512"):
-        reward.check_prompt_lengths(items, tokenizer, 513 - longest, 512)
+        train.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=513 - longest), items)
 
 
-def test_reference_answers_that_do_not_parse_are_counted_in_a_warning():
-    items = [{"prompt": "q", "task": "gsm8k", "answer": a} for a in ("72", "1,234.5", "seventy", "")]
-    items.append({"prompt": "q", "task": "math", "answer": None})  # a solution without \\boxed{}
-    warning = reward.check_items(items, "train")
-    assert warning.startswith("warning: 3 of 5 train items have a reference answer that does not parse")
-    assert "'seventy'" in warning
-    assert reward.check_items(items[:2], "train") == ""
+def test_reference_answers_that_do_not_parse_are_none_and_counted_in_a_printed_warning(capsys):
+    references = ["3 + 69 = 72\n#### 72", "#### 1,234.5", "#### seventy", ""]
+    assert [reward.gsm8k_answer(r) for r in references] == ["72", "1,234.5", None, None]
+    items = [{"prompt": "q", "task": "gsm8k", "answer": reward.gsm8k_answer(r)} for r in references]
+    items.append({"prompt": "q", "task": "math", "answer": reward.last_boxed("no boxed answer")})  # None
+    assert [reward.reward_fn("\\boxed{72}", item) for item in items] == [1.0, 0.0, 0.0, 0.0, 0.0]  # None: 0, no raise
+    assert reward.check_items(items, "train") is None
+    assert capsys.readouterr().out == ("warning: 3 of 5 train items have a reference answer that does not parse, so "
+                                       "every reward on them is 0; the first is item 2\n")
+    reward.check_items(items, "train", warn=False)  # ranks but the first: silent
+    reward.check_items(items[:2], "train")
+    assert capsys.readouterr().out == ""
 
 
-def test_a_reward_fn_that_fails_on_every_item_stops_the_run_in_one_line(monkeypatch):
-    def broken(completion, sample):
+def test_a_reward_fn_that_fails_on_every_item_stops_the_run_in_one_line(monkeypatch, capsys):
+    def broken(completion, item):
         raise ZeroDivisionError("division by zero")
     monkeypatch.setattr(reward, "reward_fn", broken)
     items = [{"prompt": "q", "task": "toy", "target": "a"}] * 100
@@ -489,17 +512,17 @@ def test_a_reward_fn_that_fails_on_every_item_stops_the_run_in_one_line(monkeypa
         reward.check_items(items, "train")
     calls = iter(range(1000))
     monkeypatch.setattr(reward, "reward_fn", lambda c, s: 1 / (next(calls) % 2))  # fails on half: a model's fault
-    assert reward.check_items(items, "train") == ""
+    reward.check_items(items, "train")  # no SystemExit, and no warning: toy items have no reference answer
+    assert capsys.readouterr().out == ""
 
 
 def test_resuming_a_checkpoint_of_another_model_is_refused_before_loading(tmp_path):
-    from transformers import Qwen2Config
     checkpoint = tmp_path / "checkpoints" / "step_000004"
-    Qwen2Config(vocab_size=103, **reward.TINY_MODEL).save_pretrained(checkpoint / "hf")
+    demo_config(vocab_size=103).save_pretrained(checkpoint / "hf")
     (checkpoint / "trainer_state.json").write_text("{}")
     cfg = train.Config(out_dir=str(tmp_path), resume="auto")
-    assert train.resume_folder(cfg, Qwen2Config(vocab_size=103, **reward.TINY_MODEL)) == str(checkpoint)
-    bigger = Qwen2Config(vocab_size=103, **dict(reward.TINY_MODEL, hidden_size=128))
+    assert train.resume_folder(cfg, demo_config(vocab_size=103)) == str(checkpoint)
+    bigger = demo_config(vocab_size=103, hidden_size=128)
     with pytest.raises(SystemExit, match=f"--resume {checkpoint}: a checkpoint of another model \\(hidden_size 64, "
                                          "--model's 128\\): pass the --model it was trained from"):
         train.resume_folder(cfg, bigger)

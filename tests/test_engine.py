@@ -1,14 +1,14 @@
 """The CPU rollout engine: sampled ids kept exactly (stop token included), its logprobs, seeding, weight pushes
-from a sharded policy, and the broadcast of rollouts to the other ranks of a tp group."""
+from a sharded policy to the TP group's one engine, and the broadcast of rollouts to the other ranks of a tp group."""
 import random
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import reward
 import train
+from demo_model import demo_config, demo_tokenizer
 from test_parallel import save_reference, sharded_model, tiny_config
 from workers import run_ranks
 
@@ -20,80 +20,95 @@ def tiny_engine(seed=0):
     config = tiny_config("qwen2", False)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    engine = train.HFEngine(config, torch.device("cpu"), pad_id=0)
-    engine.update_weights([list(model.named_parameters())])
+    engine = train.HFEngine(config, torch.device("cpu"), owner=True)
+    engine.update(list(model.named_parameters()), None)  # HFEngine loads the bucket itself: no group needed
     return engine, model
 
 
 def test_samples_end_at_the_first_stop_token_or_the_length_limit():
     engine, _ = tiny_engine()
-    samples = engine.generate(PROMPTS * 20, 1.0, 1.0, [12] * 60, STOP, seed=0)
-    stopped = [s.response_ids[-1] in STOP for s in samples]
+    outputs = engine.generate(PROMPTS * 20, [12] * 60, 1.0, 1.0, STOP, seed=0)
+    assert len(outputs) == 60
+    stopped = [ids[-1] in STOP for ids, _ in outputs]
     assert any(stopped) and not all(stopped)
-    for s, stop in zip(samples, stopped):
-        assert all(t not in STOP for t in s.response_ids[:-1])  # nothing after the first stop token
-        assert len(s.response_ids) <= 12 if stop else len(s.response_ids) == 12
-        assert len(s.engine_logprobs) == len(s.response_ids)
+    for (ids, logprobs), stop in zip(outputs, stopped):
+        assert all(t not in STOP for t in ids[:-1])  # nothing after the first stop token
+        assert len(ids) <= 12 if stop else len(ids) == 12
+        assert logprobs.shape == (len(ids),)
+
+
+def test_each_prompt_stops_at_its_own_budget():
+    engine, _ = tiny_engine()
+    budgets = [1, 5, 12] * 20
+    outputs = engine.generate(PROMPTS * 20, budgets, 1.0, 1.0, STOP, seed=0)
+    for (ids, logprobs), budget in zip(outputs, budgets):
+        assert 1 <= len(ids) <= budget and len(logprobs) == len(ids)
+        assert ids[-1] in STOP or len(ids) == budget
+    assert any(len(ids) == 12 for ids, _ in outputs)  # the longest budget is reached, not only the batch's least
 
 
 def test_engine_logprobs_are_those_of_the_tempered_distribution_it_samples():
     engine, model = tiny_engine()
     temperature = 0.7
-    samples = engine.generate(PROMPTS, temperature, 1.0, [10] * len(PROMPTS), STOP, seed=1)
-    for prompt, s in zip(PROMPTS, samples):
+    outputs = engine.generate(PROMPTS, [10] * len(PROMPTS), temperature, 1.0, STOP, seed=1)
+    for prompt, (ids, logprobs) in zip(PROMPTS, outputs):
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + s.response_ids])).logits[0].double()
+            logits = model(torch.tensor([prompt + ids])).logits[0].double()
         want = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1:-1]
-        want = want.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
-        assert (s.engine_logprobs.double() - want).abs().max() < 1e-5
+        want = want.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        assert (logprobs.double() - want).abs().max() < 1e-5
 
 
 def test_same_seed_same_samples_and_the_global_rng_is_untouched():
     engine, _ = tiny_engine()
     state = torch.random.get_rng_state()
-    a = engine.generate(PROMPTS, 1.0, 1.0, [8] * len(PROMPTS), STOP, seed=7)
-    b = engine.generate(PROMPTS, 1.0, 1.0, [8] * len(PROMPTS), STOP, seed=7)
-    c = engine.generate(PROMPTS, 1.0, 1.0, [8] * len(PROMPTS), STOP, seed=8)
-    assert [s.response_ids for s in a] == [s.response_ids for s in b] != [s.response_ids for s in c]
+    a = engine.generate(PROMPTS, [8] * len(PROMPTS), 1.0, 1.0, STOP, seed=7)
+    b = engine.generate(PROMPTS, [8] * len(PROMPTS), 1.0, 1.0, STOP, seed=7)
+    c = engine.generate(PROMPTS, [8] * len(PROMPTS), 1.0, 1.0, STOP, seed=8)
+    assert [ids for ids, _ in a] == [ids for ids, _ in b] != [ids for ids, _ in c]
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
 def test_greedy_decoding_at_temperature_zero():
     engine, model = tiny_engine()
-    [s] = engine.generate(PROMPTS[:1], 0.0, 1.0, [6], [], seed=0)
+    [(sampled, _)] = engine.generate(PROMPTS[:1], [6], 0.0, 1.0, [], seed=0)
     ids = list(PROMPTS[0])
     with torch.no_grad():
         for _ in range(6):
             ids.append(model(torch.tensor([ids])).logits[0, -1].argmax().item())
-    assert s.response_ids == ids[len(PROMPTS[0]):]
+    assert sampled == ids[len(PROMPTS[0]):]
 
 
 def push_then_generate(rank, world, folder, dp, tp):
     """A sharded policy pushes its weights; the tp group's first rank generates and scores, the group receives."""
     config = AutoConfig.from_pretrained(folder)
     state = AutoModelForCausalLM.from_pretrained(folder).state_dict()
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = sharded_model(folder, mesh)
-    engine = train.HFEngine(config, torch.device("cpu"), pad_id=0) if mesh["tp"].get_local_rank() == 0 else None
-    if engine is not None:  # start from other weights, so a push that does nothing cannot pass
-        engine.update_weights([[(n, torch.zeros_like(p)) for n, p in engine.model.named_parameters()]])
-    train.push_weights(model, engine, train.Config(engine="hf", bucket_mb=1), mesh["tp"].get_group())
+    par = train.parallel_groups("cpu", tp)
+    model = sharded_model(folder, par)
+    owner = par.mesh["tp"].get_local_rank() == 0
+    engine = train.HFEngine(config, torch.device("cpu"), owner)  # every rank holds one; only the owner a model
+    if owner:  # start from other weights, so a push that does nothing cannot pass
+        engine.update([(n, torch.zeros_like(p)) for n, p in engine.model.named_parameters()], par.tp)
+    train.push_weights(model, engine, train.Config(engine="hf", bucket_mb=1), par)
     cfg = train.Config(group_size=3, max_new_tokens=8, temperature=1.0)
-    rows = [{"prompt": "ab", "task": "toy", "target": "a"}, {"prompt": "cde", "task": "toy", "target": "b"}]
-    tokenizer = reward.char_tokenizer()
+    items = [{"prompt": "ab", "task": "toy", "target": "a"}, {"prompt": "cde", "task": "toy", "target": "b"}]
+    repeated = [item for item in items for _ in range(cfg.group_size)]  # G samples per prompt, as collect_rollouts
+    tokenizer = demo_tokenizer()
     workers = reward.RewardWorkers(1, timeout=5.0)
     try:
-        samples, errors = train.on_first_rank(
-            lambda: train.generate_rollouts(engine, workers, tokenizer, rows, cfg, 5, 3, 1.0), mesh["tp"].get_group())
+        samples, errors = train.on_first_rank(lambda: workers.score_samples(
+            train.generate_rollouts(engine, workers, tokenizer, repeated, cfg, 5, 1.0), repeated, tokenizer,
+            cfg.max_new_tokens, cfg.overlong_buffer), par.tp)
     finally:
         workers.close()
     with torch.no_grad():
-        trainer_logp, _ = train.response_logprobs(model, samples, cfg, mesh["tp"], tokenizer.pad_token_id)
+        trainer_logp, _ = train.response_logprobs(model, samples, cfg, par.mesh["tp"])
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     scores_right = errors == [] and [s.score for s in samples] == [
-        reward.toy_reward(text, row["target"]) for text, row in zip(texts, [rows[0]] * 3 + [rows[1]] * 3)]
+        reward.toy_reward(text, item["target"]) for text, item in zip(texts, repeated)]
     engine_logp = torch.tensor([lp for s in samples for lp in s.engine_logprobs])
-    weights_equal = engine is None or all(torch.equal(p, state[k]) for k, p in engine.model.named_parameters())
+    weights_equal = (engine.model is not None) == owner and (
+        not owner or all(torch.equal(p, state[k]) for k, p in engine.model.named_parameters()))
     stop_ids = reward.stop_token_ids(tokenizer)
     finish_right = all(s.truncated == (s.response_ids[-1] not in stop_ids) for s in samples)
     return {"ids": [(s.prompt_ids, s.response_ids) for s in samples], "weights_equal": weights_equal,
@@ -102,7 +117,7 @@ def push_then_generate(rank, world, folder, dp, tp):
 
 
 def test_pushed_weights_reach_the_engine_and_scored_rollouts_reach_every_tp_rank(tmp_path):
-    tokenizer = reward.char_tokenizer()
+    tokenizer = demo_tokenizer()
     results = run_ranks(push_then_generate, 2, save_reference(tmp_path, "qwen3", False), 1, 2)
     assert all(r["weights_equal"] and r["finish_right"] and r["scores_right"] for r in results)
     assert results[0]["ids"] == results[1]["ids"]  # rank 1 received rank 0's samples
@@ -115,10 +130,10 @@ def test_pushed_weights_reach_the_engine_and_scored_rollouts_reach_every_tp_rank
 
 def bucket_plan(rank, world, folder, dp, tp, bucket_bytes):
     reference = AutoModelForCausalLM.from_pretrained(folder)
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = sharded_model(folder, mesh)
+    par = train.parallel_groups("cpu", tp)
+    model = sharded_model(folder, par)
     want = dict(reference.named_parameters())
-    buckets = list(train.weight_buckets(model, bucket_bytes, torch.bfloat16, mesh["tp"].get_group()))
+    buckets = list(train.weight_buckets(model, bucket_bytes, torch.bfloat16))
     tensors = [t for bucket in buckets for _, t in bucket]
     return {"names": [[n for n, _ in bucket] for bucket in buckets], "want_names": list(want),
             "bytes": [[t.numel() * t.element_size() for _, t in bucket] for bucket in buckets],
@@ -146,27 +161,27 @@ def test_weight_buckets_hold_every_full_bf16_weight_once_under_hf_names(dp, tp, 
 
 
 # ----------------------------------------------------------------------------- dynamic sampling (DAPO)
-def informative_or_flat(completion, sample):
-    """Rows marked flat score the same for every completion (a group with no gradient); the others vary."""
-    return 0.5 if sample["flat"] else random.random()
+def informative_or_flat(completion, item):
+    """Items marked flat score the same for every completion (a group with no gradient); the others vary."""
+    return 0.5 if item["flat"] else random.random()
 
 
 def collect(rank, world, dataset, rounds):
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    tokenizer = reward.char_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), **reward.TINY_MODEL)
-    engine = train.HFEngine(config, torch.device("cpu"), tokenizer.pad_token_id)
+    par = train.parallel_groups("cpu", 1)
+    tokenizer = demo_tokenizer()
+    config = demo_config()
+    engine = train.HFEngine(config, torch.device("cpu"), owner=True)
     cfg = train.Config(prompts_per_step=4, group_size=3, max_new_tokens=2, dynamic_sampling_rounds=rounds)
     workers = reward.RewardWorkers(2, timeout=5.0)
     try:
-        samples, errors, dropped = train.collect_rollouts(engine, workers, dataset, tokenizer, cfg, 7, mesh)
+        samples, errors, dropped = train.collect_rollouts(engine, workers, dataset, tokenizer, cfg, 7, par)
     finally:
         workers.close()
     groups = [samples[i:i + 3] for i in range(0, len(samples), 3)]
-    # The rows each round drew, for an independent count of what should have happened.
-    drawn = [train.step_rows(dataset, 7, cfg, 0, 1, r) for r in range(rounds + 1)]
+    # The items each round drew, for an independent count of what should have happened.
+    drawn = [train.step_items(dataset, 7, cfg, 0, 1, r) for r in range(rounds + 1)]
     return [[s.prompt_ids for s in g] for g in groups], [[s.reward for s in g] for g in groups], errors, \
-        dropped, [[row["flat"] for row in rows] for rows in drawn]
+        dropped, [[item["flat"] for item in items] for items in drawn]
 
 
 @pytest.mark.parametrize("flat_share, rounds", [(0.5, 0), (0.5, 30), (0.9, 1)])
@@ -196,8 +211,8 @@ def test_dynamic_sampling_refills_dropped_groups_and_counts_them(monkeypatch, fl
 
 # ----------------------------------------------------------------------------- what the engine can take
 def check_sharded_names(rank, world, folder):
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
-    train.check_pushed_names(sharded_model(folder, mesh), AutoConfig.from_pretrained(folder))  # full shapes
+    par = train.parallel_groups("cpu", world)
+    train.check_pushed_names(sharded_model(folder, par), AutoConfig.from_pretrained(folder))  # full shapes
     return True
 
 

@@ -1,41 +1,62 @@
 """SGLangEngine against the real sglang package with only sglang.Engine faked (tests/fake_sglang_engine.py): the
 engine cannot start on a CPU, so it alone is replaced and the trainer's code runs unchanged. The fakes follow the
-0.5.17 / 0.5.23 API in tests/sglang_api.md: start-up arguments, weight pushes as flattened bf16 buckets (one
-serialized payload per engine TP rank), the 0.5.21+ weight-update session, memory release / resume bookkeeping, the
-output format of generate, and shutdown's SIGKILL of every child process."""
+0.5.17 / 0.5.23 API in tests/sglang_api.md: start-up arguments, the port (held by the engine from start, so a taken
+one fails) and the environment the engine inherits, weight pushes as flattened bf16 buckets (one serialized payload
+per engine TP rank, gathered from the trainer ranks), the 0.5.21+ weight-update session, memory release / resume
+bookkeeping, the output format of generate, and shutdown's SIGKILL of every child process. SGLangEngine waits on a
+process group at start: single-process tests run in a one-rank gloo group (`world`), the others in run_ranks."""
 import os
+import socket
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen3Config
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 
 pytest.importorskip("sglang.srt.utils", reason="needs sglang: pip install --no-deps -r requirements-sglang-cpu.txt")
 import fake_sglang_engine  # noqa: E402
-import reward  # noqa: E402
 import train  # noqa: E402
-from test_parallel import save_reference, sharded_model, tiny_config  # noqa: E402
+from demo_model import demo_config  # noqa: E402
+from sglang_cpu_engine import trainer_model  # noqa: E402
+from test_parallel import save_reference, tiny_config  # noqa: E402
 from workers import run_ranks  # noqa: E402
 
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+MEMORY_CHECK = "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"
 
 
 @pytest.fixture
-def sglang(monkeypatch, tmp_path):
+def world():
+    """A one-rank gloo process group, as `python train.py` makes: SGLangEngine binds its port, then waits on it."""
+    assert not dist.is_initialized(), "a process group left initialized by an earlier test"
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def sglang(monkeypatch, tmp_path, world):
     """The real sglang, whose Engine a test swaps for a fake (undone after); the environment and the working
-    folder restored after."""
+    folder restored after, the fakes' ports closed."""
     import sglang
     monkeypatch.setattr(sglang, "Engine", fake_sglang_engine.Engine)
-    monkeypatch.setenv(AGENT_STORE, "")  # SGLangEngine sets it to "False"; monkeypatch puts back what was there
-    monkeypatch.delenv(AGENT_STORE)
+    for name in (AGENT_STORE, MEMORY_CHECK):  # SGLangEngine sets them; monkeypatch puts back what was there
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)  # a single process: local rank 0
     monkeypatch.chdir(tmp_path)  # the engine's config folder lands under the default out_dir, here
     yield sglang
+    for engine in fake_sglang_engine.STARTED:
+        engine.port.close()
+    fake_sglang_engine.STARTED.clear()
 
 
 def start(sglang, kind="Engine", **cfg):
-    """An SGLangEngine whose sglang.Engine is the fake of the given kind; returns it and the fake."""
+    """An SGLangEngine (this rank owns it) whose sglang.Engine is the fake of the given kind; returns it and the
+    fake."""
     sglang.Engine = getattr(fake_sglang_engine, kind)  # the fixture puts the real one back afterwards
-    engine = train.SGLangEngine(train.Config(engine="sglang", **cfg), tiny_config("qwen2", True))
+    engine = train.SGLangEngine(train.Config(engine="sglang", **cfg), tiny_config("qwen2", True), True,
+                                dist.group.WORLD)
     assert engine.engine.calls == [WARM_UP]
     engine.engine.calls.clear()
     return engine, engine.engine
@@ -58,11 +79,11 @@ def test_engine_starts_with_the_arguments_the_design_needs(sglang, tmp_path, mon
     monkeypatch.setenv("LOCAL_RANK", "4")  # the TP group's first rank, on the node's fifth GPU
     config = tiny_config("qwen3", False)
     cfg = train.Config(engine_port=31000, mem_fraction=0.3, seed=7, out_dir=str(tmp_path / "out"), tp=2)
-    fake = train.SGLangEngine(cfg, config).engine
+    fake = train.SGLangEngine(cfg, config, True, dist.group.WORLD).engine
     kw = fake.kwargs
     assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] is True and kw["dtype"] == "bfloat16"
     assert (kw["tp_size"], kw["dp_size"], kw["base_gpu_id"]) == (2, 1, 4)
-    assert kw["nccl_port"] == 31004  # engine_port + base_gpu_id: distinct for each TP group of a node
+    assert kw["nccl_port"] == 31004  # --engine_port > 0: engine_port + base_gpu_id, distinct per TP group of a node
     assert kw["enable_memory_saver"] is True and kw["mem_fraction_static"] == 0.3
     assert os.environ[AGENT_STORE] == "False"  # or the engine's schedulers hang at start under torchrun
     # The architecture reaches the engine through config.json in model_path (load_format="dummy").
@@ -74,13 +95,58 @@ def test_engine_starts_with_the_arguments_the_design_needs(sglang, tmp_path, mon
         assert written[field] == getattr(config, field), field
 
 
+def test_the_engine_starts_with_sglangs_tp_memory_balance_check_off(sglang):
+    """The trainer's ranks hold different shards, so the GPUs of one engine differ in free memory: sglang's check,
+    on by default, would refuse to start. Its processes inherit the setting from the environment at start."""
+    assert MEMORY_CHECK not in os.environ
+    engine, fake = start(sglang, tp=2)
+    assert fake.environ[MEMORY_CHECK] == "false"  # a value sglang's EnvBool reads as False (the contract test runs it)
+
+
+def test_the_default_port_is_a_free_one_not_the_old_fixed_one(sglang, monkeypatch):
+    """--engine_port 0 (the default): the port is one the system hands out, free when the engine starts, not
+    30000 + LOCAL_RANK, which another program (or another job's engine) may hold."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert train.Config().engine_port == 0
+    with socket.socket() as other:
+        try:
+            other.bind(("127.0.0.1", 30001))  # the old default's port for this rank, held elsewhere
+        except OSError:
+            pass  # held by something on this machine already: the same situation
+        engine, fake = start(sglang)  # the fake fails to start on a taken port, as sglang's rendezvous does
+    port = fake.kwargs["nccl_port"]
+    assert port != 30001 and fake.kwargs["base_gpu_id"] == 1
+    assert fake.port.getsockname() == ("127.0.0.1", port)  # the engine holds it now
+
+
+def start_engines_on_one_node(rank, world, folder, engine_port):
+    """Two TP groups of one rank on one node, each starting its engine at the same time."""
+    import sglang
+    sglang.Engine = fake_sglang_engine.Engine  # in this forked rank only
+    os.environ["LOCAL_RANK"] = str(rank)
+    cfg = train.Config(engine="sglang", engine_port=engine_port, out_dir=folder)
+    engine = train.SGLangEngine(cfg, tiny_config("qwen2", True), True, dist.group.WORLD)
+    dist.barrier()  # both engines running, each holding its port
+    return engine.engine.kwargs["nccl_port"], engine.engine.kwargs["base_gpu_id"]
+
+
+@pytest.mark.parametrize("engine_port", [0, 31000])
+def test_two_engines_started_at_once_on_one_node_get_ports_of_their_own(tmp_path, engine_port):
+    started = run_ranks(start_engines_on_one_node, 2, str(tmp_path), engine_port)
+    assert [gpu for _, gpu in started] == [0, 1]
+    ports = [port for port, _ in started]
+    assert len(set(ports)) == 2  # a shared port: the second engine's rendezvous fails
+    if engine_port:
+        assert ports == [31000, 31001]  # engine_port + LOCAL_RANK
+
+
 def test_engine_config_names_the_model_class(sglang, tmp_path):
-    tiny = Qwen2Config(vocab_size=103, **reward.TINY_MODEL)  # as main builds it for --model tiny
+    tiny = demo_config(vocab_size=103)  # as main builds it for --model tiny
     assert [type(AutoModelForCausalLM.from_config(tiny)).__name__] == tiny.architectures
     saved = AutoConfig.from_pretrained(save_reference(tmp_path / "qwen3", "qwen3", True))  # a checkpoint's config
     for config, arch in ((tiny, "Qwen2ForCausalLM"), (saved, "Qwen3ForCausalLM")):
         cfg = train.Config(out_dir=str(tmp_path / "out"))
-        fake = train.SGLangEngine(cfg, config).engine
+        fake = train.SGLangEngine(cfg, config, True, dist.group.WORLD).engine
         assert fake.model_config.get("architectures") == [arch]
 
 
@@ -102,6 +168,14 @@ def expected_buckets(sizes, bound):
     return count + (held > 0)
 
 
+def push_calls(kind, buckets, tp):
+    """What a push after release_memory asks of the engine: the weights resumed, the updates (in a session from
+    0.5.21), the cache flushed, then the KV cache resumed."""
+    session = kind == "SessionEngine"
+    return ([("resume", ["weights"])] + [("begin",)] * session + [("update", tp, "flattened_bucket", False)] * buckets
+            + [("end",)] * session + [("flush_cache",), ("resume", ["kv_cache"])])
+
+
 def push_through_fake(rank, world, folder, dp, tp, kind):
     import sglang
     sglang.Engine = getattr(fake_sglang_engine, kind)  # in this forked rank only
@@ -109,15 +183,18 @@ def push_through_fake(rank, world, folder, dp, tp, kind):
     os.environ["LOCAL_RANK"] = str(rank)
     config = AutoConfig.from_pretrained(folder)
     reference = AutoModelForCausalLM.from_pretrained(folder)
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = sharded_model(folder, mesh)
-    cfg = train.Config(engine="sglang", tp=tp, bucket_mb=1)
-    engine = train.SGLangEngine(cfg, config) if mesh["tp"].get_local_rank() == 0 else None
+    par = train.parallel_groups("cpu", tp)
+    model = trainer_model(folder, par)
+    cfg = train.Config(engine="sglang", tp=tp, bucket_mb=1, out_dir=os.path.join(folder, "out"))
+    owner = par.mesh["tp"].get_local_rank() == 0
+    engine = train.SGLangEngine(cfg, config, owner, par.world)  # on every rank, as main does
     pids = [None] * tp
-    torch.distributed.all_gather_object(pids, str(os.getpid()), group=mesh["tp"].get_group())
-    train.push_weights(model, engine, cfg, mesh["tp"].get_group())
-    if engine is None:
-        return None
+    dist.all_gather_object(pids, str(os.getpid()), group=par.tp)
+    engine.release_memory()  # as main does before the first push and after every step's rollouts
+    train.push_weights(model, engine, cfg, par)
+    if not owner:
+        return {"engine": engine.engine, "config_written": os.path.exists(os.path.join(cfg.out_dir,
+                                                                                       f"engine_model_rank{rank}"))}
     fake = engine.engine
     want = {n: p.detach().to(torch.bfloat16) for n, p in reference.named_parameters()}
     return {"calls": fake.calls, "port": fake.kwargs["nccl_port"], "gpu": fake.kwargs["base_gpu_id"],
@@ -125,92 +202,95 @@ def push_through_fake(rank, world, folder, dp, tp, kind):
             "exact": [all(torch.equal(w[n], t) for n, t in want.items()) for w in fake.weights],
             "dtypes": sorted({str(t.dtype) for w in fake.weights for t in w.values()}),
             "buckets": expected_buckets([t.numel() * 2 for t in want.values()], 1 << 20),
-            "producers": fake.producers, "tp_pids": [{pid} for pid in pids]}
+            "producers": fake.producers, "tp_pids": [{pid} for pid in pids], "offload_tags": fake.offload_tags}
 
 
 @pytest.mark.parametrize("kind", ["Engine", "SessionEngine"])  # 0.5.17, and 0.5.21+ with begin/end_weight_update
 @pytest.mark.parametrize("dp,tp", [(1, 1), (1, 2), (2, 1)])
-def test_push_delivers_every_weight_exactly_to_every_engine_tp_rank(sglang, kind, dp, tp, tmp_path):
+def test_push_delivers_every_weight_exactly_to_every_engine_tp_rank(kind, dp, tp, tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(push_config()).save_pretrained(tmp_path)
     results = run_ranks(push_through_fake, dp * tp, str(tmp_path), dp, tp, kind)
-    owners = [r for r in results if r is not None]
-    assert len(owners) == dp  # one engine per TP group, on the group's first rank
-    assert sorted(r["port"] for r in owners) == sorted(30000 + r["gpu"] for r in owners)
+    owners = [r for r in results if "calls" in r]
+    assert owners == results[::tp]  # one engine per TP group, on the group's first rank
+    assert [r for r in results if r not in owners] == [{"engine": None, "config_written": False}] * (dp * tp - dp)
+    assert len({r["port"] for r in owners}) == dp  # each engine on a port of its own
     assert [r["gpu"] for r in owners] == [g * tp for g in range(dp)]  # base_gpu_id: the group's first local rank
     for r in owners:
         assert r["buckets"] >= 2
         assert r["names"] == [r["want_names"]] * tp and all(r["exact"]) and r["dtypes"] == ["torch.bfloat16"]
         assert r["producers"] == r["tp_pids"]  # engine TP rank i reads only the copy of trainer rank i (its GPU)
-        assert r["calls"][0] == WARM_UP
-        calls = r["calls"][1:]
-        kinds = [c[0] for c in calls]
-        updates = [i for i, k in enumerate(kinds) if k == "update"]
-        assert [calls[i] for i in updates] == [("update", tp, "flattened_bucket", False)] * r["buckets"]
-        assert kinds.count("flush_cache") == 1 and kinds.index("flush_cache") > updates[-1]
-        assert "resume" not in kinds and "release" not in kinds
-        if kind == "SessionEngine":
-            assert kinds.count("begin") == kinds.count("end") == 1
-            assert kinds.index("begin") < updates[0] and kinds.index("end") > updates[-1]
-
-
-def payloads_of(n):
-    """n buckets of one tensor each, serialized for a one-rank engine as train.sglang_payloads does."""
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-    buckets = [FlattenedTensorBucket(named_tensors=[(f"w{i}", torch.full((2, 3), float(i), dtype=torch.bfloat16))])
-               for i in range(n)]
-    return [[MultiprocessingSerializer.serialize({"flattened_tensor": b.get_flattened_tensor(),
-                                                  "metadata": b.get_metadata()}, output_str=True)] for b in buckets]
+        assert r["calls"][:2] == [WARM_UP, ("release", ["kv_cache", "weights"])]
+        assert r["calls"][2:] == push_calls(kind, r["buckets"], tp)
+        assert not r["offload_tags"]
 
 
 @pytest.mark.parametrize("kind", ["Engine", "SessionEngine"])
 def test_released_memory_is_resumed_weights_first_then_kv_cache_after_the_flush(sglang, kind):
     engine, fake = start(sglang, kind)
-    for _ in range(2):  # two training steps
-        engine.release_memory()
-        engine.update_weights(iter(payloads_of(3)))  # push_weights hands over a generator
-        kinds = [c[0] for c in fake.calls]
-        updates = [i for i, k in enumerate(kinds) if k == "update"]
-        assert fake.calls[0] == ("release", ["kv_cache", "weights"])
-        resumes = [(i, c[1]) for i, c in enumerate(fake.calls) if c[0] == "resume"]
-        assert [tags for _, tags in resumes] == [["weights"], ["kv_cache"]]
-        assert resumes[0][0] < updates[0] and resumes[1][0] > kinds.index("flush_cache") > updates[-1]
+    par = train.parallel_groups("cpu", 1)
+    cfg = train.Config(engine="sglang", bucket_mb=1)
+    for step in range(2):  # two training steps, each with new weights
+        torch.manual_seed(step)
+        model = AutoModelForCausalLM.from_config(push_config())
+        engine.release_memory()  # after the rollouts: both the KV cache and the weights
+        assert [(c[0], sorted(c[1])) for c in fake.calls] == [("release", ["kv_cache", "weights"])]
+        assert fake.offload_tags == {"kv_cache", "weights"}
+        train.push_weights(model, engine, cfg, par)
+        buckets = expected_buckets([p.numel() * 2 for p in model.parameters()], 1 << 20)
+        assert buckets >= 2 and fake.calls[1:] == push_calls(kind, buckets, 1)
         assert not fake.offload_tags
-        engine.generate([[5, 6]], 1.0, 1.0, [4], [3], seed=0)  # the fake refuses to generate from released memory
+        assert all(torch.equal(fake.weights[0][n], p.detach().to(torch.bfloat16)) for n, p in model.named_parameters())
+        engine.generate([[5, 6]], [4], 1.0, 1.0, [3], seed=0)  # the fake refuses to generate from released memory
         fake.calls.clear()
 
 
-def test_without_a_release_nothing_is_resumed(sglang):
+def test_every_push_resumes_the_weights_so_it_must_follow_a_release(sglang):
+    """begin_update resumes the weights unconditionally; sglang's scheduler dies resuming a resident tag (the
+    fake raises its KeyError), which is why main releases the engine's memory before the first push too."""
     engine, fake = start(sglang)
-    engine.update_weights(payloads_of(2))
-    engine.update_weights(payloads_of(2))  # the fake raises KeyError, as sglang does, on resuming a resident tag
-    assert [c[0] for c in fake.calls] == ["update", "update", "flush_cache"] * 2
-    assert fake.weights[0]["w1"].tolist() == [[1.0] * 3] * 2
+    with pytest.raises(KeyError, match="weights"):
+        engine.begin_update()
+    assert fake.calls == [("resume", ["weights"])]
 
 
 def test_a_failed_weight_update_raises_with_sglangs_message(sglang):
     engine, fake = start(sglang, "FailingEngine")
-    with pytest.raises(RuntimeError, match="boom"):
-        engine.update_weights(payloads_of(2))
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", True))
+    engine.release_memory()
+    with pytest.raises(RuntimeError, match="SGLang weight update failed: boom"):
+        train.push_weights(model, engine, train.Config(engine="sglang"), train.parallel_groups("cpu", 1))
+    assert [c[0] for c in fake.calls] == ["release", "resume", "update"]  # the first bucket stops the push
 
 
 # ----------------------------------------------------------------------------- generate
 def test_generate_keeps_ids_exactly_with_the_stop_token(sglang):
     engine, fake = start(sglang, "SessionEngine")
     prompts, stop, limit = [[5, 6, 7], [8, 9], [10, 11, 12], [13]], [3, 4], 6
-    samples = engine.generate(prompts, 0.7, 0.9, [limit] * len(prompts), stop, seed=1)
+    outputs = engine.generate(prompts, [limit] * len(prompts), 0.7, 0.9, stop, seed=1)
     [(_, n, params)] = fake.calls
     assert n == len(prompts)
     assert params == [{"temperature": 0.7, "top_p": 0.9, "max_new_tokens": limit, "stop_token_ids": stop}] * n
     raw = fake.generate(input_ids=prompts, sampling_params=params, return_logprob=True)  # deterministic
-    for prompt, s, o in zip(prompts, samples, raw):
-        assert s.prompt_ids == prompt and s.response_ids == o["output_ids"]  # the stop token stays in
+    assert len(outputs) == len(prompts)
+    for (ids, logprobs), o in zip(outputs, raw):
+        assert ids == o["output_ids"]  # the stop token stays in
         engine_logprobs = [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
-        assert torch.equal(s.engine_logprobs, torch.tensor(engine_logprobs))
+        assert torch.equal(logprobs, torch.tensor(engine_logprobs))
     # Prompt 2 sampled its stop token exactly at the limit: 0.5.17 reports "length", yet the ids end in the stop.
     assert raw[2]["meta_info"]["finish_reason"]["type"] == "length"
-    assert len(samples[2].response_ids) == limit and samples[2].response_ids[-1] in stop
+    assert len(outputs[2][0]) == limit and outputs[2][0][-1] in stop
+
+
+def test_a_rank_that_does_not_own_the_engine_starts_nothing(sglang, tmp_path):
+    """Every rank of the job constructs SGLangEngine (the port and the barrier are collective); only the owner
+    starts sglang and writes the engine's config. The others' steps do nothing."""
+    sglang.Engine = fake_sglang_engine.Engine
+    cfg = train.Config(engine="sglang", out_dir=str(tmp_path / "out"))
+    engine = train.SGLangEngine(cfg, tiny_config("qwen2", True), False, dist.group.WORLD)
+    assert engine.engine is None and not fake_sglang_engine.STARTED and not (tmp_path / "out").exists()
+    for step in (engine.release_memory, engine.begin_update, engine.end_update, engine.shutdown):
+        step()
 
 
 # ----------------------------------------------------------------------------- config
@@ -224,13 +304,16 @@ def test_sglang_engine_without_a_gpu_says_to_use_the_hf_engine(sglang):
 # ----------------------------------------------------------------------------- teardown
 TEARDOWN = """
 import sys, psutil, sglang, wandb
+import torch.distributed as dist
 import fake_sglang_engine, reward, train
 from test_parallel import tiny_config
 sglang.Engine = fake_sglang_engine.SessionEngine
+dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # as main without torchrun
 workers = reward.RewardWorkers(2, timeout=5.0)
 print("scores", workers.score(["a", "b"], [{"task": "toy", "target": "a"}] * 2)[0])  # idle, waiting on the pool
 run = wandb.init(project="teardown", mode="offline", dir=sys.argv[1])  # its service is a child of this process
-engine = train.SGLangEngine(train.Config(engine="sglang", out_dir=sys.argv[1]), tiny_config("qwen2", True))
+engine = train.SGLangEngine(train.Config(engine="sglang", out_dir=sys.argv[1]), tiny_config("qwen2", True), True,
+                            dist.group.WORLD)
 train.shut_down(engine, workers, run)
 print("children left", psutil.Process().children(recursive=True))
 """

@@ -8,12 +8,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 import train
-from workers import free_port
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None),
@@ -33,19 +31,18 @@ def gpu_config():
 
 
 def rollout(engine, cfg, prompts):
-    samples = engine.generate(prompts, cfg.temperature, cfg.top_p, [cfg.max_new_tokens] * len(prompts), [2], seed=0)
-    for prompt, s in zip(prompts, samples):
-        s.prompt_ids = prompt
-    return samples
+    outputs = engine.generate(prompts, [cfg.max_new_tokens] * len(prompts), cfg.temperature, cfg.top_p, [2], seed=0)
+    return [train.Sample(prompt, response_ids=ids, sampled=[True] * len(ids), engine_logprobs=logprobs)
+            for prompt, (ids, logprobs) in zip(prompts, outputs)]
 
 
 def mismatch(model, samples, cfg, tp_mesh):
     with torch.no_grad():
-        trainer, _ = train.response_logprobs(model, samples, cfg, tp_mesh, pad_id=0)
+        trainer, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
     if hasattr(model, "reshard"):
         model.reshard()  # FSDP2 leaves root parameters unsharded after a forward; the push and the edits below
         # must see the sharded fp32 masters
-    engine = torch.tensor([lp for s in samples for lp in s.engine_logprobs], device=trainer.device)
+    engine = torch.cat([s.engine_logprobs for s in samples]).to(trainer.device)
     diff = (trainer.float() - engine).abs()
     return diff.mean().item(), diff.max().item()
 
@@ -57,34 +54,34 @@ def free_bytes():
 
 def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
     created_group = not dist.is_initialized()
-    if created_group:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1)
     device = torch.device("cuda", 0)
+    if created_group:  # as main without torchrun: one process, NCCL for CUDA tensors, gloo for the rest
+        torch.cuda.set_device(device)
+        dist.init_process_group("cuda:nccl,cpu:gloo", rank=0, world_size=1, store=dist.HashStore(), device_id=device)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(gpu_config())
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     reference.save_pretrained(tmp_path / "model")
     config = AutoConfig.from_pretrained(tmp_path / "model")  # a checkpoint's config names its class, as SGLang needs
-    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp", "tp"))
-    model = train.build_model(config, mesh, device)
+    par = train.parallel_groups("cuda", 1)
+    model = train.build_model(config, par.mesh, device)
     load_cfg = train.Config(model=str(tmp_path / "model"))
-    train.load_weights([model], train.weight_files(load_cfg), load_cfg, config)
-    cfg = train.Config(engine="sglang", out_dir=str(tmp_path), mem_fraction=0.3, engine_port=free_port(),
-                       max_new_tokens=64, temperature=1.0, top_p=1.0, bucket_mb=1)
+    train.load_weights([model], train.weight_files(load_cfg), load_cfg, config, par.world)
+    cfg = train.Config(engine="sglang", out_dir=str(tmp_path), mem_fraction=0.3, max_new_tokens=64,
+                       temperature=1.0, top_p=1.0, bucket_mb=1)  # engine_port 0: a free port
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 14, 20) * 4]
     free_before = free_bytes()
-    engine = train.SGLangEngine(cfg, config)
+    engine = train.SGLangEngine(cfg, config, True, par.world)
     try:
+        assert os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] == "false"
+        engine.release_memory()  # as main: the first push, as every other, finds the engine's memory released
         timer = time.perf_counter()
         # ~4 MB of bf16: several 1 MB buckets
-        train.push_weights(model, engine, cfg, mesh["tp"].get_group())
+        train.push_weights(model, engine, cfg, par)
         push_s = time.perf_counter() - timer
         samples = rollout(engine, cfg, prompts)
-        first = mismatch(model, samples, cfg, mesh["tp"])
+        first = mismatch(model, samples, cfg, par.mesh["tp"])
         print(f"\npush {push_s:.3f}s; first push: mean |dlogp| {first[0]:.4f}, max {first[1]:.4f} "
               f"over {sum(len(s.response_ids) for s in samples)} tokens")
         assert first[0] < MEAN_TOL and first[1] < MAX_TOL
@@ -97,21 +94,22 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
             for p in model.parameters():
                 local = p.to_local() if isinstance(p, DTensor) else p
                 local.add_(torch.randn_like(local) * 0.05)
-        train.push_weights(model, engine, cfg, mesh["tp"].get_group())
+        engine.release_memory()
+        train.push_weights(model, engine, cfg, par)
         samples = rollout(engine, cfg, prompts)
-        second, stale = mismatch(model, samples, cfg, mesh["tp"]), mismatch(old, samples, cfg, mesh["tp"])
+        second, stale = mismatch(model, samples, cfg, par.mesh["tp"]), mismatch(old, samples, cfg, par.mesh["tp"])
         print(f"second push: mean {second[0]:.4f}, max {second[1]:.4f}; against the old policy (a stale push): "
               f"mean {stale[0]:.4f}, max {stale[1]:.4f}")
         assert second[0] < MEAN_TOL and second[1] < MAX_TOL
         assert stale[0] > 5 * max(second[0], 0.01)
         del old
 
-        # Release: weights and KV cache go back to the GPU. Resume (inside update_weights) takes them again.
+        # Release: weights and KV cache go back to the GPU. The push's begin_update / end_update take them again.
         static = cfg.mem_fraction * free_before  # sglang's weights + KV cache budget at start
         free_running = free_bytes()
         engine.release_memory()
         free_released = free_bytes()
-        train.push_weights(model, engine, cfg, mesh["tp"].get_group())
+        train.push_weights(model, engine, cfg, par)
         free_resumed = free_bytes()
         freed, taken = free_released - free_running, free_released - free_resumed
         print(f"free before the engine {free_before / GiB:.2f} GiB; static budget ~{static / GiB:.2f} GiB; "
@@ -119,10 +117,10 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
         assert freed > 256 << 20 and freed > 0.8 * static
         assert taken > 0.8 * freed
         # Weights pushed after the resume are live.
-        third = mismatch(model, rollout(engine, cfg, prompts), cfg, mesh["tp"])
+        third = mismatch(model, rollout(engine, cfg, prompts), cfg, par.mesh["tp"])
         print(f"after release and resume: mean {third[0]:.4f}, max {third[1]:.4f}")
         assert third[0] < MEAN_TOL and third[1] < MAX_TOL
     finally:
-        engine.engine.shutdown()
+        engine.shutdown()
         if created_group:
             dist.destroy_process_group()

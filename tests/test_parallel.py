@@ -3,8 +3,9 @@ after a step (so the gradients), and the gathered full state dict, on meshes (2,
 fixed or by token budget, against the whole batch."""
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import train
@@ -30,12 +31,14 @@ def save_reference(folder, family, tied, shard_size="20KB"):
     return str(folder)
 
 
-def sharded_model(folder, mesh, activation_checkpointing=False):
-    """The trainer's way: built on the meta device, sharded, then the checkpoint streamed in file by file."""
+def sharded_model(folder, par, activation_checkpointing=False):
+    """The trainer's way: built on the meta device, sharded, then the checkpoint streamed in file by file. par:
+    train.parallel_groups' (a bare DeviceMesh is taken too, loading over the default group)."""
+    mesh, world = (par, dist.group.WORLD) if isinstance(par, DeviceMesh) else (par.mesh, par.world)
     config = AutoConfig.from_pretrained(folder)
     model = train.build_model(config, mesh, torch.device("cpu"), activation_checkpointing)
     cfg = train.Config(model=folder)
-    train.load_weights([model], train.weight_files(cfg), cfg, config)
+    train.load_weights([model], train.weight_files(cfg), cfg, config, world)
     return model
 
 
@@ -91,8 +94,8 @@ def make_optimizer(name, params, lr):
 def sharded_vs_unsharded(rank, world, folder, dp, tp, optimizer_name, max_norm, activation_checkpointing,
                          num_minibatches=1):
     reference = AutoModelForCausalLM.from_pretrained(folder)
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = sharded_model(folder, mesh, activation_checkpointing)
+    par = train.parallel_groups("cpu", tp)
+    model = sharded_model(folder, par, activation_checkpointing)
     lr = 0.1 if optimizer_name == "sgd" else 1e-3
     optimizer = make_optimizer(optimizer_name, model.parameters(), lr)  # before the first forward
 
@@ -105,9 +108,9 @@ def sharded_vs_unsharded(rank, world, folder, dp, tp, optimizer_name, max_norm, 
     share = len(samples) // dp
     per_rank = [samples[r * share:(r + 1) * share] for r in range(dp)]
     model.train()
-    mine = per_rank[mesh["dp"].get_local_rank()]
-    train.store_logprobs(model, mine[len(mine) // num_minibatches:], "old_logprobs", cfg, mesh, 0)
-    sums = train.train_on_rollouts(model, optimizer, mine, cfg, mesh, 0)
+    mine = per_rank[par.mesh["dp"].get_local_rank()]
+    train.store_logprobs(model, mine[len(mine) // num_minibatches:], "old_logprobs", cfg, par)
+    sums = train.train_on_rollouts(model, optimizer, mine, cfg, par)
     # Mini-batch m of the whole batch is the m-th slice of every rank's share.
     size = share // num_minibatches
     minibatches = [sum((part[m * size:(m + 1) * size] for part in per_rank), []) for m in range(num_minibatches)]
@@ -116,7 +119,7 @@ def sharded_vs_unsharded(rank, world, folder, dp, tp, optimizer_name, max_norm, 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     expected = reference.state_dict()
     weight_diff = max((full[k] - expected[k]).abs().max().item() for k in expected)
-    return {"logits": logits_diff, "weights": weight_diff, "norm": (sums["grad_norm"], ref_norm),
+    return {"logits": logits_diff, "weights": weight_diff, "norm": (sums["max"]["grad_norm"], ref_norm),
             "keys": (sorted(full), sorted(expected))}
 
 
@@ -158,12 +161,12 @@ def test_adamw_under_2d_sharding_matches_unsharded(tmp_path):
 
 
 def accumulation(rank, world, folder, loss_agg, flags):
-    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
-    model = sharded_model(folder, mesh)
+    par = train.parallel_groups("cpu", 1)
+    model = sharded_model(folder, par)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     samples = make_samples(12, seed=2)[rank * 6:(rank + 1) * 6]
     cfg = train.Config(max_grad_norm=0.0, loss_agg=loss_agg, max_new_tokens=16, **flags)
-    train.train_on_rollouts(model, optimizer, samples, cfg, mesh, 0)
+    train.train_on_rollouts(model, optimizer, samples, cfg, par)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: v.numpy().copy() for k, v in full.items()}  # numpy crosses the queue by value
 
@@ -183,9 +186,9 @@ def test_micro_batches_fixed_or_by_token_budget_accumulate_to_the_full_batch_gra
 
 def tool_output_gradients(rank, world, folder, tp):
     """The trainer's loss on one response with tool output, every term on: the gradient at each position of the final
-    hidden states, and the step's token count."""
-    mesh = init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp", "tp"))
-    model = sharded_model(folder, mesh)
+    hidden states, and the step's token counts as step_metrics logs them."""
+    par = train.parallel_groups("cpu", tp)
+    model = sharded_model(folder, par)
     sample = make_samples(2, seed=3)[1]  # response tokens 1 to 3 are tool output
     sample.old_logprobs, sample.ref_logprobs = torch.zeros(sum(sample.sampled)), torch.zeros(sum(sample.sampled))
     hidden = {}
@@ -195,10 +198,11 @@ def tool_output_gradients(rank, world, folder, tp):
         hidden["out"] = out
     model.model.norm.register_forward_hook(keep)
     cfg = train.Config(beta=0.1, entropy_coef=0.1, tis_cap=2.0, micro_batch_size=1)
-    sums = train.train_on_rollouts(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample], cfg, mesh, 0)
+    sums = train.train_on_rollouts(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample], cfg, par)
     start = len(sample.prompt_ids) - 1  # the position that predicts the first response token
     grads = hidden["out"].grad[0, start:start + len(sample.response_ids)].abs().amax(-1)
-    return grads.tolist(), sample.sampled, sums["tokens"]
+    metrics = train.step_metrics([sample], sums, [], 0, par)
+    return grads.tolist(), sample.sampled, (metrics["tokens"], metrics["response_len"], metrics["response_len_max"])
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -207,7 +211,7 @@ def test_tool_output_tokens_get_no_gradient_and_are_not_counted(tp, tmp_path):
     assert sampled == [True] + [False] * 3 + [True] * (len(sampled) - 4)
     # Loss, KL, entropy and IS weights reach a position only through the token it predicts: none for tool output.
     assert [g == 0 for g in grads] == [not m for m in sampled]
-    assert tokens == sum(sampled)
+    assert tokens == (sum(sampled),) * 3  # the step's tokens, the response's length and the longest
 
 
 def initial_weights(folder):
@@ -222,8 +226,9 @@ def budget_batches(rank, world, budget):
     g = torch.Generator().manual_seed(rank)
     # Lengths vary 10x: rank 0 has mostly short sequences, rank 1 mostly long ones.
     lengths = [int(torch.randint(5, 50 if rank else 15, (1,), generator=g)) for _ in range(16)]
-    samples = [train.Sample([1] * 5, [2] * n, [True] * n, None) for n in lengths]
-    batches = train.micro_batches(samples, train.Config(max_tokens_per_microbatch=budget))
+    samples = [train.Sample([1] * 5, [2] * n, [True] * n) for n in lengths]
+    par = train.parallel_groups("cpu", 1)
+    batches = train.micro_batches(samples, train.Config(max_tokens_per_microbatch=budget), par.world)
     return lengths_of([samples]), lengths_of(batches)
 
 
@@ -258,16 +263,19 @@ def padding_fraction(batches):
 def test_token_budget_cuts_padding_when_lengths_vary_tenfold():
     g = torch.Generator().manual_seed(0)
     lengths = [int(torch.randint(20, 200, (1,), generator=g)) for _ in range(64)]
-    samples = [train.Sample([1] * 10, [2] * n, [True] * n, None) for n in lengths]
-    fixed = lengths_of(train.micro_batches(samples, train.Config(micro_batch_size=8)))
-    run = run_ranks(lambda rank, world: padding_fraction(lengths_of(
-        train.micro_batches(samples, train.Config(max_tokens_per_microbatch=8 * 210)))), 1)[0]
-    assert padding_fraction(fixed) > 0.3 and run < padding_fraction(fixed) / 3
+    samples = [train.Sample([1] * 10, [2] * n, [True] * n) for n in lengths]
+
+    def fixed_and_budgeted(rank, world):
+        group = train.parallel_groups("cpu", 1).world
+        return [padding_fraction(lengths_of(train.micro_batches(samples, cfg, group)))
+                for cfg in (train.Config(micro_batch_size=8), train.Config(max_tokens_per_microbatch=8 * 210))]
+    fixed, budgeted = run_ranks(fixed_and_budgeted, 1)[0]
+    assert fixed > 0.3 and budgeted < fixed / 3
 
 
 def loaded_state(rank, world, folder, dp, tp):
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    full = get_model_state_dict(sharded_model(folder, mesh), options=StateDictOptions(full_state_dict=True))
+    par = train.parallel_groups("cpu", tp)
+    full = get_model_state_dict(sharded_model(folder, par), options=StateDictOptions(full_state_dict=True))
     return {k: v.numpy().copy() for k, v in full.items()}
 
 
@@ -291,3 +299,32 @@ def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(tmp_path):
     save_file({k: v for k, v in tensors.items() if k != dropped}, last, metadata={"format": "pt"})
     with pytest.raises(AssertionError, match=dropped.replace(".", r"\.")):
         run_ranks(loaded_state, 2, folder, 2, 1)
+
+
+def with_a_new_statistic(rank, world, folder, tp):
+    """A fork's new statistic in policy_loss, and nothing else edited: step_metrics logs its mean per sampled token.
+    The statistic: the per-token loss weight (x 1000), whose mean over the step's tokens the test knows."""
+    original = train.policy_loss
+
+    def policy_loss(logp, old_logp, advantages, weights, cfg, *args, **kwargs):
+        loss, stats = original(logp, old_logp, advantages, weights, cfg, *args, **kwargs)
+        return loss, dict(stats, weight_x1000=(weights * 1000).sum())
+    train.policy_loss = policy_loss  # in this forked rank only
+    par = train.parallel_groups("cpu", tp)
+    model = sharded_model(folder, par)
+    samples = make_samples(6 // (world // tp), seed=rank // tp)  # each dp rank its own; a TP group the same
+    cfg = train.Config(micro_batch_size=2, num_minibatches=2)
+    sums = train.train_on_rollouts(model, torch.optim.SGD(model.parameters(), lr=0.0), samples, cfg, par)
+    metrics = train.step_metrics(samples, sums, [], 0, par)
+    lengths = [sum(s.sampled) for s in samples]
+    return metrics["weight_x1000"], metrics["tokens"], [s.loss_weight for s in samples], lengths
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 1), (1, 2)])
+def test_a_statistic_added_to_the_loss_is_logged_as_its_mean_per_sampled_token(dp, tp, tmp_path):
+    results = run_ranks(with_a_new_statistic, dp * tp, save_reference(tmp_path, "qwen2", False), tp)
+    logged, tokens = results[0][:2]
+    # Independently: sum over the step's distinct samples (one per dp rank's) of 1000 x weight x tokens, / tokens.
+    per_rank = [sum(1000 * w * n for w, n in zip(weights, lengths)) for _, _, weights, lengths in results[::tp]]
+    assert tokens == sum(sum(lengths) for *_, lengths in results[::tp])
+    assert logged == pytest.approx(sum(per_rank) / tokens, rel=1e-6) and logged > 0  # float32 sums

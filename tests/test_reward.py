@@ -249,7 +249,7 @@ def test_reward_fn_returns_a_float_in_unit_interval_for_random_strings():
     fragments = ["<answer>", "</answer>", "(", ")", "**", "/", "-", "#", "####", "\\boxed{", "}", "$", ",",
                  ".", "0", "7", "123", "1e9", " ", "\n"]
     printable = [chr(c) for c in range(32, 127)] + ["\n", "\t", "é", "٣"]
-    samples = [
+    items = [
         {"task": "countdown", "nums": [3, 5, 7], "target": 15},
         {"task": "gsm8k", "answer": "7"},
         {"task": "toy", "target": "a"},
@@ -259,9 +259,9 @@ def test_reward_fn_returns_a_float_in_unit_interval_for_random_strings():
         pieces = [rng.choice(fragments) if rng.random() < 0.5 else rng.choice(printable)
                   for _ in range(rng.randrange(60))]
         text = "".join(pieces)
-        for sample in samples:
-            score = reward_fn(text, sample)
-            assert type(score) is float and 0.0 <= score <= 1.0, (text, sample, score)
+        for item in items:
+            score = reward_fn(text, item)
+            assert type(score) is float and 0.0 <= score <= 1.0, (text, item, score)
 
 
 def test_reward_module_does_not_import_torch():

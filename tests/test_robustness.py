@@ -8,9 +8,9 @@ import signal
 import time
 
 import pytest
-from transformers import Qwen2Config
 
 import reward
+from demo_model import demo_config, demo_tokenizer
 from test_train import torchrun
 
 BAD_REWARD = '''
@@ -18,7 +18,7 @@ BAD_REWARD = '''
 _reward_fn = reward_fn
 
 
-def reward_fn(completion, sample):
+def reward_fn(completion, item):
     """Raises on some completions, hangs on others (in Python, and where SIGALRM cannot reach), returns what is not
     a number, ends its process, starts a process of its own, and scores the rest."""
     import os, signal, subprocess, time
@@ -29,7 +29,7 @@ def reward_fn(completion, sample):
     if "e" in completion:
         os._exit(3)
     if "g" in completion:  # a process of its own, then stuck
-        with open(sample["pid_file"], "w") as f:
+        with open(item["pid_file"], "w") as f:
             f.write(str(subprocess.Popen(["sleep", "60"]).pid))
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
         time.sleep(60)
@@ -38,10 +38,10 @@ def reward_fn(completion, sample):
     if "c" in completion:
         while True:
             time.sleep(1)
-    if "d" in completion and sample.get("stuck", True):
+    if "d" in completion and item.get("stuck", True):
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # like C code that never checks signals
         time.sleep(60)
-    return _reward_fn(completion, sample)
+    return _reward_fn(completion, item)
 '''
 
 
@@ -141,7 +141,7 @@ def test_a_failing_reward_fn_does_not_stop_training(tmp_path):
     for name in ("train.py", "reward.py"):
         shutil.copy(os.path.join(os.path.dirname(os.path.dirname(__file__)), name), tmp_path / name)
     with open(tmp_path / "reward.py", "a") as f:
-        f.write(BAD_REWARD.replace('sample.get("stuck", True)', "False"))
+        f.write(BAD_REWARD.replace('item.get("stuck", True)', "False"))
     out = tmp_path / "out"
     run = torchrun(2, "--preset", "cpu", "--steps", "3", "--reward_timeout", "0.2", "--eval_every", "0",
                    "--out_dir", str(out), cwd=str(tmp_path))
@@ -161,8 +161,8 @@ def test_a_failing_reward_fn_does_not_stop_training(tmp_path):
 
 
 def test_heads_that_do_not_divide_by_tp_are_refused_before_loading(tmp_path):
-    tokenizer = reward.char_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), **reward.TINY_MODEL)
+    tokenizer = demo_tokenizer()
+    config = demo_config()
     config.num_attention_heads, config.num_key_value_heads = 6, 3  # 3 KV heads cannot be split in two
     config.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)

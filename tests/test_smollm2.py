@@ -10,7 +10,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import reward
-import train
 from test_train import metrics, torchrun
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))

@@ -1,6 +1,7 @@
-"""The multi-turn loop of --tool python (train.generate_rollouts) against a scripted engine that answers with known
-text: the ids kept exactly as sampled, only tool output tokenised and marked unsampled, stops at a block's end,
-the budget over all turns, --max_turns, one batch per round, tool calls in parallel."""
+"""The multi-turn loop of --tool python (train.generate_rollouts, reward.run_tools) against a scripted engine that
+answers with known text: the ids kept exactly as sampled, only tool output tokenised and marked unsampled, stops at a
+block's end, the budget over all turns, --max_turns, one batch per round, tool calls in parallel, the step's tool
+metrics."""
 import importlib.util
 import json
 import os
@@ -9,48 +10,52 @@ import tempfile
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM
 
 import reward
 import train
+from demo_model import demo_config, demo_tokenizer
 from test_train import metrics, torchrun
+from workers import run_ranks
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or not reward.tool_interpreter(),
                                 reason="the tool uses Linux limits and a Python that others can run")
 
 
-class ScriptedEngine:
+class ScriptedEngine(train.Engine):
     """An engine whose model writes a fixed text per prompt: each call continues every prompt from where its sampled
-    tokens left off, up to and including a stop id or the budget, as HFEngine and SGLangEngine do. It records what
-    each call was given; its log-probs are -(position + 1) / 100 so that each can be traced back to its token."""
+    tokens left off, up to and including a stop id or the budget, as HFEngine and SGLangEngine do, and returns the
+    new ids and their log-probs. It records what each call was given; its log-probs are -(position + 1) / 100 so that
+    each can be traced back to its token."""
     def __init__(self, tokenizer, scripts):
         self.scripts = {tuple(tokenizer(prompt, add_special_tokens=False).input_ids):
                         tokenizer(text, add_special_tokens=False).input_ids for prompt, text in scripts.items()}
         self.done = dict.fromkeys(self.scripts, 0)  # sampled tokens given out so far, per prompt
         self.calls = []
 
-    def generate(self, prompts, temperature, top_p, budgets, stop_ids, seed):
+    def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):
         self.calls.append({"prompts": [list(p) for p in prompts], "budgets": list(budgets), "stop_ids": stop_ids})
-        samples = []
+        outputs = []
         for ids, budget in zip(prompts, budgets):
             prompt = next(p for p in self.scripts if tuple(ids[:len(p)]) == p)
             start = self.done[prompt]
             rest = self.scripts[prompt][start:start + budget]
             end = next((i + 1 for i, t in enumerate(rest) if t in stop_ids), len(rest))
             self.done[prompt] += end
-            logprobs = torch.tensor([-(start + i + 1) / 100 for i in range(end)])
-            samples.append(train.Sample(list(ids), rest[:end], [True] * end, logprobs))
-        return samples
+            outputs.append((rest[:end], torch.tensor([-(start + i + 1) / 100 for i in range(end)])))
+        return outputs
 
 
 def rollouts(tokenizer, scripts, workers=None, **flags):
+    """A sample per script, generated in turns (reward.run_tools) and then scored, as collect_rollouts does."""
     engine = ScriptedEngine(tokenizer, scripts)
     cfg = train.Config(tool="python", temperature=1.0, **flags)
-    rows = [{"prompt": prompt, "task": "gsm8k", "answer": "42"} for prompt in scripts]
+    items = [{"prompt": prompt, "task": "gsm8k", "answer": "42"} for prompt in scripts]
     own = workers is None
     workers = workers or reward.RewardWorkers(2, timeout=5.0)
     try:
-        samples, errors = train.generate_rollouts(engine, workers, tokenizer, rows, cfg, 0, 1, 1.0)
+        samples = train.generate_rollouts(engine, workers, tokenizer, items, cfg, 0, 1.0)
+        samples, errors = workers.score_samples(samples, items, tokenizer, cfg.max_new_tokens, cfg.overlong_buffer)
     finally:
         if own:
             workers.close()
@@ -95,8 +100,8 @@ def test_without_the_tool_fences_do_not_stop_generation(qwen_tokenizer):
     cfg = train.Config(tool="", max_new_tokens=200)
     workers = reward.RewardWorkers(1, timeout=5.0)
     try:
-        [s], _ = train.generate_rollouts(engine, workers, qwen_tokenizer, [{"prompt": "Q:", "task": "gsm8k",
-                                                                           "answer": "42"}], cfg, 0, 1, 1.0)
+        [s] = train.generate_rollouts(engine, workers, qwen_tokenizer, [{"prompt": "Q:", "task": "gsm8k",
+                                                                        "answer": "42"}], cfg, 0, 1.0)
     finally:
         workers.close()
     assert len(engine.calls) == 1 and s.response_ids == ids(qwen_tokenizer, FIRST + AFTER) and s.tool_outputs == []
@@ -140,8 +145,12 @@ def test_samples_still_generating_go_as_one_batch_per_round_and_the_others_drop_
     assert "ZeroDivisionError" in samples[2].tool_outputs[0]
     after = len(ids(qwen_tokenizer, AFTER))  # the budget left for the last round: tool output counted
     assert engine.calls[-1]["budgets"] == [200 - len(samples[i].response_ids) + after for i in (0, 2)]
-    assert reward.tool_counts([s.tool_outputs for s in samples]) == dict(tool_calls=2, tool_use=2, tool_errors=1,
-                                                                          tool_timeouts=0)
+    # The step's metrics of these samples: per sample, 2 calls of 3 samples, 2 of 3 used the tool, 5 turns (A and C
+    # a turn before their block's output and one after, B one); counts, 1 error and no timeout.
+    logged = run_ranks(lambda rank, world: train.step_metrics(samples, {"token": {}, "max": {}}, [], 0,
+                                                              train.parallel_groups("cpu", 1)), 1)[0]
+    assert [logged[k] for k in ("tool_calls", "tool_use", "turns")] == pytest.approx([2 / 3, 2 / 3, 5 / 3])
+    assert (logged["tool_errors"], logged["tool_timeouts"], logged["samples"]) == (1, 0, 3)
 
 
 def test_the_tool_calls_of_a_round_run_in_parallel_in_the_workers(qwen_tokenizer):
@@ -164,13 +173,13 @@ def test_the_tool_calls_of_a_round_run_in_parallel_in_the_workers(qwen_tokenizer
 def tool_using_model(folder, device="cpu", **shape):
     """The tiny model taught by teacher forcing (a few seconds) to answer the question with a ```python block, its
     output and a boxed answer: a model that uses the tool, to drive the whole loop through torchrun."""
-    tokenizer = reward.char_tokenizer()
+    tokenizer = demo_tokenizer()
     tokenizer.chat_template = "{{ messages[0]['content'] + '\\n' }}"  # a short prompt: one token per character
-    prompt = reward.encode_prompt(tokenizer, [{"role": "user", "content": reward.TOOL_PROMPT.format(question=QUESTION)}])
+    question = [{"role": "user", "content": reward.TOOL_PROMPT.format(question=QUESTION)}]
+    prompt = reward.encode_prompt(tokenizer, question)
     response = tokenizer("```python\nprint(6 * 7)\n```\n```output\n42\n```\nSo \\boxed{42}<|im_end|>",
                          add_special_tokens=False).input_ids
-    config = Qwen2Config(vocab_size=len(tokenizer), eos_token_id=reward.stop_token_ids(tokenizer),
-                         pad_token_id=tokenizer.pad_token_id, **dict(reward.TINY_MODEL, **shape))
+    config = demo_config(**shape)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3 if shape else 1e-2)  # a wider model needs a lower rate
@@ -211,7 +220,12 @@ def test_torchrun_with_the_python_tool_runs_the_models_code_and_scores_its_answe
     for row in rows:  # the taught model writes one block per response; its run prints 42, which it boxes
         assert row["tool_use"] >= 0.5 and row["reward"] >= 0.5 and row["tool_timeouts"] == 0
         assert row["tool_errors"] <= 1  # of 8 samples at temperature 1, one may stray inside its code
-        assert row["turns"] == pytest.approx(1 + row["tool_calls"])
+        # A turn ends in each tool output, and one more where the response ends in sampled tokens; a response whose
+        # tool output the budget cut ends in that output (so it is truncated), with no sampled turn after it. Of the
+        # 8 samples at most one may stray so: code that prints past the budget, as a traceback does.
+        ended_in_output = (1 + row["tool_calls"] - row["turns"]) * row["samples"]  # samples ending in tool output
+        assert ended_in_output == pytest.approx(round(ended_in_output)) and row["samples"] == 8
+        assert 0 <= round(ended_in_output) <= min(1, round(row["truncated"] * row["samples"]))
         # The engine's log-probs line up with the trainer's on the sampled tokens alone (tool output has none).
         assert row["mismatch_abs"] < (0.05 if engine == "sglang" else 1e-4)
     assert "```output\n42\n```\nSo \\boxed{42}" in run.stdout and " | tool " in run.stdout

@@ -8,18 +8,18 @@ import subprocess
 import sys
 
 import pytest
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM
 
-import reward
 import train
+from demo_model import demo_config, demo_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torchrun(nproc, *flags, timeout=300, cwd=ROOT, **env_vars):
+def torchrun(nproc, *flags, timeout=300, cwd=ROOT, script="train.py", **env_vars):
     env = dict(os.environ, OMP_NUM_THREADS="1", **env_vars)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           "train.py", *flags]
+           script, *flags]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -41,7 +41,7 @@ def test_cpu_preset_learns_the_toy_reward(tmp_path):
     assert mean(last, "entropy") < mean(first, "entropy")
     # Engine and trainer hold the same weights after every push: their logprobs agree on every step.
     assert max(r["mismatch_abs"] for r in rows) < 1e-4
-    for key in ("accuracy", "response_len", "truncated", "clip_frac", "grad_norm", "lr", "tokens_per_s",
+    for key in ("accuracy", "response_len", "truncated", "clip_frac", "grad_norm", "lr", "tokens",
                 "time_rollout", "time_train", "time_push", "reward_errors", "groups_dropped"):
         assert all(key in r for r in rows), key
     # Held-out evaluation every 10 steps on 16 prompts. The trained model says only "a": every answer is right.
@@ -104,8 +104,8 @@ def test_a_model_folder_that_does_not_exist_is_one_line_naming_the_flag(tmp_path
 
 
 def test_a_truncated_safetensors_file_is_named_before_any_model_is_built(tmp_path):
-    tokenizer = reward.char_tokenizer()
-    AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=len(tokenizer), **reward.TINY_MODEL)).save_pretrained(
+    tokenizer = demo_tokenizer()
+    AutoModelForCausalLM.from_config(demo_config()).save_pretrained(
         tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     weights = tmp_path / "model" / "model.safetensors"
@@ -150,7 +150,7 @@ def test_dapo_and_dr_grpo_settings_run_end_to_end(tmp_path):
     run = torchrun(2, "--preset", "cpu", "--steps", "4", "--eval_every", "0", "--loss_agg", "token",
                    "--clip_high", "0.28", "--dynamic_sampling_rounds", "3", "--overlong_buffer", "4",
                    "--max_tokens_per_microbatch", "200", "--beta", "0.05", "--kl_in_reward", "true",
-                   "--kl_estimator", "k1", "--ref_on_cpu", "true", "--out_dir", str(dapo))
+                   "--kl_estimator", "k1", "--out_dir", str(dapo))
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(dapo)
     assert len(rows) == 4 and all("groups_dropped" in r for r in rows)
@@ -175,7 +175,10 @@ def test_gspo_cispo_and_masked_importance_sampling_learn_the_toy_reward(flags, t
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(tmp_path)
     assert rows[0]["reward"] < 0.3 and rows[-1]["reward"] > 0.8
-    assert all(r["is_masked_tokens"] == r["is_masked_responses"] == 0 for r in rows)  # the CPU engine matches
+    if "mask" in flags:
+        assert all(r["is_masked_tokens"] == 0 for r in rows)  # the CPU engine matches: r is 1, inside the bound
+    else:
+        assert all("is_masked_tokens" not in r for r in rows)  # no masking without --is_mode mask
     if "cispo" not in flags:
         assert max(r["clip_frac"] for r in rows) > 0
 
@@ -193,3 +196,48 @@ def test_a_metrics_line_torn_by_a_crash_does_not_block_resuming(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(lines) + '{"step": 4, "rew')  # killed mid-write
     train.open_run_dir(train.Config(out_dir=str(tmp_path)), 2, None)
     assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines[:2])  # steps 3 and 4 run again
+
+
+def readme_section(title):
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    start = text.index(f"\n## {title}\n")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_a_new_task_in_two_edits_learns_from_a_jsonl_folder(tmp_path):
+    """README "Your own task", done as a user would: its Python makes the jsonl folder, its two code blocks go into a
+    copy of train.py (PromptDataset.__getitem__) and reward.py (reward_fn), and its command trains, reward rising."""
+    make_data, getitem_branch, reward_branch = re.findall(r"```python\n(.*?)```", readme_section("Your own task"),
+                                                          re.S)
+    for name, anchor, branch in (("train.py", '        if task == "toy":\n', getitem_branch),
+                                 ("reward.py", '    raise ValueError(f"unknown task', reward_branch)):
+        with open(os.path.join(ROOT, name)) as f:
+            source = f.read()
+        assert source.count(anchor) == 1, (name, anchor)  # the one place the README's edit goes
+        (tmp_path / name).write_text(source.replace(anchor, branch + anchor))
+    subprocess.run([sys.executable, "-c", make_data], cwd=tmp_path, check=True)
+    [command] = [line for line in readme_section("Your own task").splitlines() if line.startswith("torchrun")]
+    flags = command.split("train.py ")[1].split()
+    run = torchrun(2, *flags, "--out_dir", str(tmp_path / "out"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(tmp_path / "out")
+    assert len(rows) == 30 and all(r["reward_errors"] == 0 for r in rows)
+    first, last = (sum(r["reward"] for r in part) / len(part) for part in (rows[:5], rows[-5:]))
+    assert first < 0.2 and last > first + 0.4, (first, last)
+
+
+def test_an_unknown_task_stops_at_once_naming_the_flag_and_the_tasks_with_data(tmp_path):
+    run = torchrun(2, "--preset", "cpu", "--task", "mnist", "--out_dir", str(tmp_path))
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and "loading" not in out and "[rank1]" not in out  # one line, from rank 0
+    assert out.count("--task mnist: reward.py has no data for it") == 1
+    assert all(task in out for task in ("countdown", "addition", "toy", "gsm8k", "math", "README: your own task"))
+    (tmp_path / "data").mkdir()
+    for split in ("train", "test"):
+        (tmp_path / "data" / f"{split}.jsonl").write_text('{"x": 1}\n' * 16)
+    with_data = torchrun(2, "--preset", "cpu", "--task", "mnist", "--data_path", str(tmp_path / "data"),
+                         "--out_dir", str(tmp_path / "out"))
+    out = with_data.stdout + with_data.stderr
+    assert with_data.returncode != 0 and "loading" not in out and "[rank1]" not in out
+    assert out.count("--task mnist: PromptDataset.__getitem__ in train.py has no branch for it") == 1

@@ -1,0 +1,14 @@
+"""`--model tiny`, the CPU demo's model, for tests that build it directly: train.py makes its character tokenizer
+and its random Qwen2 config in load_tokenizer_and_config."""
+import train
+
+
+def demo_tokenizer():
+    return train.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=1), [{"prompt": ""}])[0]
+
+
+def demo_config(**changes):
+    """A fresh copy of the tiny model's config, with `changes` (vocab_size, hidden_size, ...)."""
+    config = train.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=1), [{"prompt": ""}])[1]
+    config.update(changes)
+    return config
