@@ -579,7 +579,8 @@ class RewardWorkers:
         (its last token is no stop token), and its reward, the score shaped by overlong_penalty. Returns the samples,
         and why the failed calls failed."""
         stop_ids = stop_token_ids(tokenizer)
-        scores, errors = self.score([tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples], items)
+        completions = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        scores, errors = self.score(completions, items)
         for s, score in zip(samples, scores):
             s.score = score
             s.truncated = not s.response_ids or s.response_ids[-1] not in stop_ids  # SGLang versions differ at the end
