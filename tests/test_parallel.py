@@ -3,9 +3,7 @@ after a step (so the gradients), and the gathered full state dict, on meshes (2,
 fixed or by token budget, against the whole batch."""
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import train
@@ -33,12 +31,11 @@ def save_reference(folder, family, tied, shard_size="20KB"):
 
 def sharded_model(folder, par, activation_checkpointing=False):
     """The trainer's way: built on the meta device, sharded, then the checkpoint streamed in file by file. par:
-    train.parallel_groups' (a bare DeviceMesh is taken too, loading over the default group)."""
-    mesh, world = (par, dist.group.WORLD) if isinstance(par, DeviceMesh) else (par.mesh, par.world)
+    train.parallel_groups'."""
     config = AutoConfig.from_pretrained(folder)
-    model = train.build_model(config, mesh, torch.device("cpu"), activation_checkpointing)
+    model = train.build_model(config, par.mesh, torch.device("cpu"), activation_checkpointing)
     cfg = train.Config(model=folder)
-    train.load_weights([model], train.weight_files(cfg), cfg, config, world)
+    train.load_weights([model], train.weight_files(cfg), cfg, config, par.world)
     return model
 
 
