@@ -180,8 +180,8 @@ class PromptDataset(torch.utils.data.Dataset):
 def load_tokenizer_and_config(cfg, items):
     """--model's tokenizer and config, checked against the items' prompts; "tiny": random, a character tokenizer."""
     if cfg.model == "tiny":
-        chars = [chr(c) if c > 32 else chr(256 + c) for c in [*range(9, 14), *range(32, 127)]]  # string.printable
-        vocab = {token: i for i, token in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + chars)}  # BPE
+        chars = [chr(c) if c > 32 else chr(256 + c) for c in [*range(9, 14), *range(32, 127)]]  # printable; " " is Ġ
+        vocab = {token: i for i, token in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + chars)}
         tokenizer = transformers.Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>",
                                                 pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"])
         config = Qwen2Config(vocab_size=len(tokenizer), eos_token_id=reward.stop_token_ids(tokenizer), pad_token_id=0,
