@@ -181,10 +181,10 @@ def gsm8k_answer(reference: str) -> str | None:
     return answer if _to_number(answer) is not None else None
 
 
-def gsm8k_reward(completion: str, answer: str) -> float:
-    """1.0 if the completion's final answer equals `answer` as a number, else 0.0."""
+def gsm8k_reward(completion: str, answer: str | None) -> float:
+    """1.0 if the completion's final answer equals `answer` as a number, else 0.0 (always, for an answer of None)."""
     predicted = _to_number(_final_answer(completion))
-    return 1.0 if predicted is not None and predicted == _to_number(answer) else 0.0
+    return 1.0 if answer is not None and predicted is not None and predicted == _to_number(answer) else 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def addition_problems(n: int, seed: int) -> list[dict]:
 # math: competition problems (MATH) with LaTeX answers
 
 
-def math_reward(completion: str, answer: str) -> float:
+def math_reward(completion: str, answer: str | None) -> float:
     """1.0 if the completion's last \\boxed{} equals `answer` (LaTeX) as mathematics, judged by math-verify: 0.5 and
     \\frac{1}{2}, \\sqrt{2} and \\sqrt 2, the same interval written two ways all match; else 0.0."""
     from math_verify import parse, verify  # imported on first use: only the math task needs math-verify
@@ -247,9 +247,9 @@ def reward_fn(completion: str, item: dict) -> float:
     if task == "countdown":
         return countdown_reward(completion, item["nums"], item["target"])
     if task in ("gsm8k", "addition"):
-        return gsm8k_reward(completion, item["answer"] or "")
+        return gsm8k_reward(completion, item["answer"])
     if task == "math":
-        return math_reward(completion, item["answer"] or "")
+        return math_reward(completion, item["answer"])
     if task == "toy":
         return toy_reward(completion, item["target"])
     raise ValueError(f"unknown task {task!r}: add a branch for it to reward_fn in reward.py (README: your own task)")
@@ -278,6 +278,7 @@ def encode_prompt(tokenizer, prompt: list[dict] | str, plain_template: bool = Fa
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+@functools.cache  # once per tokenizer: get_vocab() copies a vocabulary of 151k tokens
 def stop_token_ids(tokenizer) -> list[int]:
     """EOS of the tokenizer plus Qwen's end-of-turn and end-of-text tokens, where the vocabulary has them."""
     vocab = tokenizer.get_vocab()
