@@ -24,7 +24,6 @@ import pickle
 import random
 import re
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -366,20 +365,35 @@ def tool_interpreter() -> str:
 
 
 @functools.cache
-def _isolation() -> list[str]:
+def _isolation() -> list[str] | None:
     """The command prefix that gives tool code new PID and network namespaces (when its PID 1 exits, the kernel
     kills every process it started, double-forked daemons included; no network but a loopback that is down) and,
-    under root, the unprivileged user. [] where the OS allows no namespaces: then only limits and a session."""
+    under root, the unprivileged user, dying with its parent as PID 1 does (a change of user would drop that). Where
+    the OS allows no namespaces: the user switch alone under root, else [] (limits and a session only); None when
+    root cannot switch users: then no code runs."""
+    user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--pdeathsig=KILL", "--"]
     if os.geteuid() == 0:  # namespaces first, then the unprivileged user
-        prefix = ["unshare", "--pid", "--fork", "--kill-child", "--net", "--",
-                  "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
+        prefixes = [["unshare", "--pid", "--fork", "--kill-child", "--net", "--", *user], user]
     else:  # a user namespace of the trainer's user allows the others without root
-        prefix = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--net", "--"]
-    try:
-        ok = subprocess.run(prefix + ["true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        ok = False
-    return prefix if ok else []
+        prefixes = [["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--net", "--"], []]
+    for prefix in prefixes:
+        try:
+            if subprocess.run(prefix + ["true"], capture_output=True, timeout=10).returncode == 0:
+                return prefix
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return None
+
+
+def _threads_of(uid: int) -> int:
+    """How many threads the processes of `uid` run now (Linux; 0 elsewhere): what RLIMIT_NPROC counts."""
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            count += len(os.listdir(f"/proc/{pid}/task")) if os.stat(f"/proc/{pid}").st_uid == uid else 0
+        except OSError:  # ended meanwhile
+            pass
+    return count
 
 
 def run_python(code: str, timeout: float = TOOL_TIMEOUT, memory_mb: int = 2048) -> str:
@@ -387,10 +401,12 @@ def run_python(code: str, timeout: float = TOOL_TIMEOUT, memory_mb: int = 2048) 
     TOOL_OUTPUT_CHARS, with a note when cut or timed out. Never raises. The process runs in a temporary folder, as an
     unprivileged user when the trainer is root, in its own PID and network namespaces where the OS allows, with limits
     on CPU time, wall time, memory, file size and processes; nothing it starts outlives the call."""
-    interpreter = tool_interpreter()
+    interpreter, isolation = tool_interpreter(), _isolation() if sys.platform == "linux" else []
     if not interpreter:
         return ("error: no Python that an unprivileged user can run (the trainer's lives where others cannot read); "
                 "install /usr/bin/python3")
+    if isolation is None:
+        return "error: the trainer is root and cannot run code as an unprivileged user: setpriv (util-linux >= 2.33)"
     folder = tempfile.mkdtemp(prefix="tool_")
     try:
         with open(os.path.join(folder, "main.py"), "w", encoding="utf-8", errors="replace") as f:
@@ -398,40 +414,45 @@ def run_python(code: str, timeout: float = TOOL_TIMEOUT, memory_mb: int = 2048) 
         if os.geteuid() == 0:
             os.chown(folder, NOBODY, NOBODY)
             os.chown(os.path.join(folder, "main.py"), NOBODY, NOBODY)
-        output_path = os.path.join(folder, ".output")  # a file, not a pipe: a flood of output cannot block anyone
+
+        # At most 256 processes more than the code's user runs already: a trainer's user runs hundreds of threads.
+        processes = 256 + _threads_of(NOBODY if os.geteuid() == 0 else os.getuid())
 
         def limit():  # in the child, before exec: its own session, and limits that its children inherit
             os.setsid()
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the worker that started it
-            for kind, value in ((resource.RLIMIT_CPU, math.ceil(timeout) + 1), (resource.RLIMIT_NPROC, 256),
+            for kind, value in ((resource.RLIMIT_CPU, math.ceil(timeout) + 1), (resource.RLIMIT_NPROC, processes),
                                 (resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_FSIZE, 64 << 20),
                                 (resource.RLIMIT_NOFILE, 256), (resource.RLIMIT_CORE, 0)):
                 resource.setrlimit(kind, (value, value))
-        command = (_isolation() if sys.platform == "linux" else []) + [interpreter, "-I", "main.py"]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": folder, "PYTHONDONTWRITEBYTECODE": "1"}
-        with open(output_path, "wb") as output:
-            process = subprocess.Popen(command, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=output,
-                                       stderr=subprocess.STDOUT, preexec_fn=limit)
-        try:
-            process.wait(timeout)
-            note = ""
-        except subprocess.TimeoutExpired:
-            note = f"\n[timed out after {timeout:g} s]"
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # its namespace's PID 1 goes, and every process with it
-        except ProcessLookupError:
-            pass
-        process.wait()
-        with open(output_path, "rb") as f:
-            head = f.read(4 * TOOL_OUTPUT_CHARS)  # a character is at most 4 bytes
+        # A file, not a pipe: a flood of output cannot block anyone. Nameless and outside the folder: the code cannot
+        # swap it for a link to a file only the trainer may read, or for a FIFO that would stall the reading.
+        with tempfile.TemporaryFile() as output:
+            process = subprocess.Popen(isolation + [interpreter, "-I", "main.py"], cwd=folder, env=env,
+                                       stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                                       preexec_fn=limit)
+            try:
+                process.wait(timeout)
+                note = ""
+            except subprocess.TimeoutExpired:
+                note = f"\n[timed out after {timeout:g} s]"
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # its namespace's PID 1 goes, and every process with it
+            except ProcessLookupError:
+                pass
+            process.wait()
+            output.seek(0)
+            head = output.read(4 * TOOL_OUTPUT_CHARS)  # a character is at most 4 bytes
+            size = os.fstat(output.fileno()).st_size
         text = head.decode("utf-8", errors="replace")
-        if len(text) > TOOL_OUTPUT_CHARS or os.path.getsize(output_path) > len(head):
+        if len(text) > TOOL_OUTPUT_CHARS or size > len(head):
             text = text[:TOOL_OUTPUT_CHARS] + f"\n[output cut at {TOOL_OUTPUT_CHARS} characters]"
         return text + note
     except Exception as error:  # the tool never raises: the model sees what went wrong
         return f"error: the tool could not run the code ({type(error).__name__}: {error})"
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    finally:  # rm, not shutil.rmtree, which recurses per level: a folder nested 10,000 deep would raise
+        subprocess.run(["rm", "-rf", "--", folder], stdin=subprocess.DEVNULL, capture_output=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 output, processes, the trainer's files and the network are out of the code's reach."""
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -14,7 +15,8 @@ import reward
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or not reward.tool_interpreter(),
                                 reason="the sandbox uses Linux limits and a Python that others can run")
 # Where the OS allows no namespaces the code runs with limits only: these would then hurt the machine running them.
-ISOLATED = pytest.mark.skipif(sys.platform != "linux" or not reward._isolation(), reason="no namespaces allowed here")
+ISOLATED = pytest.mark.skipif(sys.platform != "linux" or "unshare" not in (reward._isolation() or []),
+                              reason="no namespaces allowed here")
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="the user switch happens when the trainer is root")
 
 
@@ -71,12 +73,67 @@ def leftovers(marker):
 
 @ISOLATED
 def test_no_process_it_starts_outlives_the_call_daemons_included():
-    for timeout in (5, 1.5):  # the code returns at once; or it hangs and is killed
+    for timeout in (5, 1.5):  # the code returns at once; or it leaves the worker's session, hangs and is killed
         marker = f"{1000 + timeout + time.time() % 1:.6f}"
-        code = DAEMON.format(marker=marker) + ("" if timeout == 5 else "import time; time.sleep(60)")
+        code = DAEMON.format(marker=marker) + ("" if timeout == 5 else "os.setsid()\nimport time; time.sleep(60)")
         assert reward.run_python(code, timeout=timeout).startswith("started")
         time.sleep(0.2)
         assert leftovers(marker) == []
+
+
+def test_the_code_cannot_swap_its_output_for_a_link_or_a_fifo(tmp_path):
+    secret = tmp_path / "secret"  # as the trainer's environment in /proc/<worker>/environ: the trainer's eyes only
+    secret.write_text("HF_TOKEN=hf_secret")
+    secret.chmod(0o600)
+    start = time.perf_counter()
+    for swap in (f"os.symlink({str(secret)!r}, name)", "os.mkfifo(name)"):
+        code = f"import os\nfor name in os.listdir('.'):\n    if name != 'main.py':\n        os.remove(name)\n"
+        out = reward.run_python(code + "name = '.output'\n" + swap + "\nprint('swapped')")
+        assert out == "swapped\n"
+    assert time.perf_counter() - start < 5  # a FIFO that is read would block until the worker's deadline
+
+
+def test_a_folder_nested_deeper_than_python_recursion_is_removed():
+    out = reward.run_python("import os\nfor _ in range(2000):\n    os.mkdir('d')\n    os.chdir('d')\n"
+                            "print(os.getcwd().split('/d/')[0])")
+    assert out.startswith("/tmp/tool_") and not os.path.exists(out.strip())
+
+
+@ROOT_ONLY
+def test_without_namespaces_root_still_runs_the_code_as_the_unprivileged_user_or_refuses(monkeypatch, tmp_path):
+    """A container that allows no namespaces (unshare fails) must not drop the user switch with them."""
+    failing = tmp_path / "unshare"
+    failing.write_text("#!/bin/sh\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    reward._isolation.cache_clear()
+    try:
+        assert reward._isolation()[0] == "setpriv"
+        assert reward.run_python("import os; print(os.getuid())") == f"{reward.NOBODY}\n"
+        (tmp_path / "setpriv").write_bytes(failing.read_bytes())  # no user switch either: nothing runs
+        (tmp_path / "setpriv").chmod(0o755)
+        reward._isolation.cache_clear()
+        assert reward.run_python("print(1)").startswith("error: the trainer is root and cannot run code as an")
+    finally:
+        reward._isolation.cache_clear()
+
+
+@ROOT_ONLY
+def test_the_process_limit_counts_from_the_processes_the_user_runs_already():
+    """RLIMIT_NPROC counts every thread of the code's user (nobody under root, the trainer's own user otherwise, which
+    runs hundreds): the tool must still start then, while a fork bomb stays bounded."""
+    threads = "import threading, time\nfor _ in range(300):\n    threading.Thread(target=time.sleep, args=(60,)).start()"
+    busy = psutil.Popen(["setpriv", f"--reuid={reward.NOBODY}", f"--regid={reward.NOBODY}", "--clear-groups",
+                         reward.tool_interpreter(), "-c", threads + "\nprint('ready', flush=True)"],
+                        stdout=subprocess.PIPE, text=True)
+    try:
+        assert busy.stdout.readline() == "ready\n"
+        assert reward.run_python("print(6 * 7)") == "42\n"
+        bomb = ("import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            import time; "
+                "time.sleep(30)\n        n += 1\nexcept OSError:\n    print(n < 300)")
+        assert reward.run_python(bomb, timeout=5) == "True\n"
+    finally:
+        busy.kill()
 
 
 @ISOLATED
