@@ -712,7 +712,7 @@ def lr_factor(step, cfg):
     """The multiple of --lr at a step: linear warm-up, then constant or cosine down to 0.1 at the last step."""
     if step < cfg.warmup_steps or cfg.lr_schedule == "constant":
         return min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps))
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -816,8 +816,9 @@ def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id, world):
     rank, final = dist.get_rank(), os.path.join(cfg.out_dir, "checkpoints", f"step_{step:06d}")
     tmp = final + ".tmp"
     try:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if rank == 0:  # and any other step_N.tmp: a save cut off by a kill, whose step may never be saved again
+            for old in glob.glob(os.path.join(cfg.out_dir, "checkpoints", "step_*.tmp")):
+                shutil.rmtree(old, ignore_errors=True)
             os.makedirs(tmp)
         dist.barrier(group=world)
         dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=f"{tmp}/dcp")
@@ -827,7 +828,8 @@ def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id, world):
             tokenizer.save_pretrained(os.path.join(tmp, "hf"))
             for file in glob.glob(os.path.join(tmp, "hf", "*")):
                 os.chmod(file, 0o644)  # transformers writes the weights 0600; readable like the rest
-            pathlib.Path(tmp, "trainer_state.json").write_text(json.dumps({"step": step, "wandb_id": wandb_id}))
+            state = json.dumps(dict(step=step, wandb_id=wandb_id, config=asdict(cfg)))  # the flags: a resume compares
+            pathlib.Path(tmp, "trainer_state.json").write_text(state)
             os.replace(tmp, final)
             for old in complete_checkpoints(cfg.out_dir)[:-cfg.keep_checkpoints]:
                 shutil.rmtree(old)
@@ -846,30 +848,25 @@ def complete_checkpoints(out_dir):
 
 
 def resume_folder(cfg, model_config):
-    """The --resume folder ("auto": newest under out_dir; "": fresh), checked to be complete and shaped as --model."""
+    """The --resume folder ("auto": the newest under out_dir; "": none), its step and wandb id; changed flags shown."""
     found = complete_checkpoints(cfg.out_dir)
     path = (found[-1] if found else "") if cfg.resume == "auto" else cfg.resume
     if path and not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise SystemExit(f"--resume {path}: not a complete checkpoint folder (no trainer_state.json)")
-    if found and not path:
-        raise SystemExit(f"--out_dir {cfg.out_dir} holds checkpoints: --resume auto continues them, or use another")
+    state = json.loads(pathlib.Path(path, "trainer_state.json").read_text()) if path else {"step": 0, "wandb_id": None}
+    if later := [folder for folder in found if int(folder[-6:]) > state["step"]]:  # its saves would collide, or mix
+        raise SystemExit(f"--out_dir {cfg.out_dir} holds checkpoints after step {state['step']} ({later[-1]}): "
+                         "--resume auto continues the newest; else delete them, or use another --out_dir")
     saved = AutoConfig.from_pretrained(os.path.join(path, "hf")) if path else model_config
     for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
         if getattr(saved, key, None) != getattr(model_config, key, None):
             raise SystemExit(f"--resume {path}: a checkpoint of another model ({key} {getattr(saved, key, None)}, "
                              f"--model's {getattr(model_config, key, None)}): pass the --model it was trained from")
-    return path
-
-
-def resume(path, model, optimizer):
-    """Restore what save_checkpoint wrote in `path` ("": a fresh start); returns (step, wandb id)."""
-    if not path:
-        return 0, None
-    state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
-    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    trainer_state = json.loads(pathlib.Path(path, "trainer_state.json").read_text())
-    return trainer_state["step"], trainer_state["wandb_id"]
+    changed = [f"--{key} {value} -> {getattr(cfg, key)}" for key, value in state.get("config", {}).items()
+               if key != "resume" and value != getattr(cfg, key, value)]
+    if changed:
+        print(f"resuming {path} with flags changed since it was saved: {', '.join(changed)}", flush=True)
+    return path, state["step"], state["wandb_id"]
 
 
 def stop_on_signal(rank):
@@ -923,12 +920,12 @@ def main():
     transformers.utils.logging.disable_progress_bar()
     check_config(cfg, world)  # from here: everything that can be checked before a model is built
     par = parallel_groups(device.type, cfg.tp)
-    write_config(cfg, par)
     train_set = PromptDataset(cfg, "train")
     test_set = PromptDataset(cfg, "test") if cfg.eval_every > 0 else None  # no evaluation needs no test split
     tokenizer, model_config = load_tokenizer_and_config(cfg, [*train_set, *(test_set or [])])
     files = on_first_rank(lambda: weight_files(cfg) if cfg.model != "tiny" else [None], par.world)
-    resumed_from = on_first_rank(lambda: resume_folder(cfg, model_config), par.world)  # before any model is built
+    resumed_from, start_step, wandb_id = on_first_rank(lambda: resume_folder(cfg, model_config), par.world)
+    write_config(cfg, par)  # after every check that stops a run: a run refused leaves the folder as it was
     with announce(f"loading {cfg.model} and the engine{', resuming ' + resumed_from if resumed_from else ''}", rank):
         model = build_model(model_config, par.mesh, device, cfg.activation_checkpointing)
         ref_model = build_model(model_config, par.mesh, device).requires_grad_(False) if cfg.beta > 0 else None
@@ -936,7 +933,10 @@ def main():
         check_pushed_names(model, model_config)
         # Before any forward: FSDP2 then leaves root parameters unsharded, and an optimizer would hold stale tensors.
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        start_step, wandb_id = resume(resumed_from, model, optimizer)
+        if resumed_from:  # the model and optimizer as save_checkpoint wrote them
+            state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+            dcp.load(state, checkpoint_id=os.path.join(resumed_from, "dcp"))
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         wandb_run = open_run_dir(cfg, start_step, wandb_id) if rank == 0 else None
         # Forked before the engine and the signal handlers exist. Rank 0 shows the first failed call's traceback.
         reward_workers = reward.RewardWorkers(cfg.reward_workers, cfg.reward_timeout, show_first_error=rank == 0)
@@ -960,8 +960,8 @@ def main():
                 store_logprobs(ref_model, samples, "ref_logprobs", cfg, par)
                 ref_model.reshard()  # FSDP keeps root parameters whole after a forward that has no backward
             set_advantages(samples, cfg)  # within each group of G
-            for group in optimizer.param_groups:  # a function of the step, so a resumed run has nothing to restore
-                group["lr"] = cfg.lr * lr_factor(step, cfg)
+            for group in optimizer.param_groups:  # the flags', not a checkpoint's; lr a function of the step
+                group.update(lr=cfg.lr * lr_factor(step, cfg), weight_decay=cfg.weight_decay)
             sums = train_on_rollouts(model, optimizer, samples, cfg, par)  # loss and update
             train_done = time.perf_counter()
             push_weights(model, engine, cfg, par)  # the new weights into the engine

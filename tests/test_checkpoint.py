@@ -50,7 +50,7 @@ def test_k_steps_resume_k_steps_equals_2k_steps(tmp_path):
     assert logged(split) == logged(straight)  # same rewards, losses, grad norms, eval, step by step
     a, b = hf_weights(straight, 6), hf_weights(split, 6)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert sorted(os.listdir(split / "checkpoints")) == ["step_000003", "step_000005.tmp", "step_000006"]
+    assert sorted(os.listdir(split / "checkpoints")) == ["step_000003", "step_000006"]  # a save removes any .tmp
 
 
 def test_hf_folder_loads_with_from_pretrained_and_holds_the_trained_weights(tmp_path):
@@ -81,9 +81,24 @@ def test_hf_folder_loads_with_from_pretrained_and_holds_the_trained_weights(tmp_
         assert torch.equal(param, trained[name]), name
     initial = AutoModelForCausalLM.from_config(model.config)  # and they did move away from the start
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, initial.model.layers[0].mlp.up_proj.weight)
-    # A fresh run must not mix its checkpoints with this run's: it is refused, naming both ways out.
-    again = torchrun(2, "--preset", "cpu", "--steps", "2", "--eval_every", "0", "--out_dir", str(tmp_path))
-    assert again.returncode != 0 and "holds checkpoints: --resume auto continues them" in again.stderr + again.stdout
+
+
+def test_a_resume_takes_the_flags_given_and_names_the_changed_and_a_refused_run_leaves_the_folder_alone(tmp_path):
+    flags = ("--preset", "cpu", "--eval_every", "0", "--out_dir", str(tmp_path))
+    first = torchrun(2, *flags, "--steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = (tmp_path / "config.json").read_text()
+    # A fresh run must not mix its checkpoints with this run's: refused, naming the ways out, the run's record kept.
+    again = torchrun(2, *flags, "--steps", "2", "--lr", "0.5")
+    assert again.returncode != 0 and "holds checkpoints after step 0" in again.stderr + again.stdout
+    assert (tmp_path / "config.json").read_text() == written
+    # AdamW's decay is the flag's, not the checkpoint optimizer's: lr 0.01 x decay 100 zeroes each weight before its
+    # Adam step of about lr, so the final norm's weights (ones at the start) fall to near 0.
+    resumed = torchrun(2, *flags, "--steps", "3", "--weight_decay", "100", "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "flags changed since it was saved: --steps 2 -> 3, --weight_decay 0.0 -> 100.0\n" in resumed.stdout
+    before, after = hf_weights(tmp_path, 2)["model.norm.weight"], hf_weights(tmp_path, 3)["model.norm.weight"]
+    assert before.abs().min() > 0.5 and after.abs().max() < 0.1
 
 
 def kill_tree(pid):

@@ -1,8 +1,10 @@
 """The data stage: problems, datasets, tokenizers, prompt rendering, per-step sharding of prompts, and flags."""
 import copy
+import dataclasses
 import importlib.util
 import itertools
 import json
+import re
 import string
 from fractions import Fraction
 
@@ -516,13 +518,39 @@ def test_a_reward_fn_that_fails_on_every_item_stops_the_run_in_one_line(monkeypa
     assert capsys.readouterr().out == ""
 
 
-def test_resuming_a_checkpoint_of_another_model_is_refused_before_loading(tmp_path):
-    checkpoint = tmp_path / "checkpoints" / "step_000004"
+def fake_checkpoint(out_dir, step, **config_changes):
+    """A checkpoint folder as resume_folder reads it: trainer_state.json (the flags saved) and hf/config.json."""
+    checkpoint = out_dir / "checkpoints" / f"step_{step:06d}"
     demo_config(vocab_size=103).save_pretrained(checkpoint / "hf")
-    (checkpoint / "trainer_state.json").write_text("{}")
+    config = dataclasses.asdict(train.Config(out_dir=str(out_dir), **config_changes))
+    (checkpoint / "trainer_state.json").write_text(json.dumps(dict(step=step, wandb_id="w", config=config)))
+    return str(checkpoint)
+
+
+def test_resuming_a_checkpoint_of_another_model_is_refused_before_loading(tmp_path):
+    checkpoint = fake_checkpoint(tmp_path, 4)
     cfg = train.Config(out_dir=str(tmp_path), resume="auto")
-    assert train.resume_folder(cfg, demo_config(vocab_size=103)) == str(checkpoint)
+    assert train.resume_folder(cfg, demo_config(vocab_size=103)) == (checkpoint, 4, "w")
     bigger = demo_config(vocab_size=103, hidden_size=128)
     with pytest.raises(SystemExit, match=f"--resume {checkpoint}: a checkpoint of another model \\(hidden_size 64, "
                                          "--model's 128\\): pass the --model it was trained from"):
         train.resume_folder(cfg, bigger)
+
+
+def test_a_run_that_would_overwrite_later_checkpoints_is_refused_and_changed_flags_are_named(tmp_path, capsys):
+    """Going back to step 2 while step 4 is there would collide with its save, then --resume auto would pick the
+    abandoned step 4; a fresh run would mix its checkpoints with them. A resume names the flags that changed."""
+    model = demo_config(vocab_size=103)
+    earlier, latest = fake_checkpoint(tmp_path, 2, lr=0.5), fake_checkpoint(tmp_path, 4, lr=0.5)
+    for resume, step in ((earlier, 2), ("", 0)):
+        refusal = f"--out_dir {tmp_path} holds checkpoints after step {step} ({latest}): --resume auto continues"
+        with pytest.raises(SystemExit, match=re.escape(refusal + " the newest; else delete them, or use another")):
+            train.resume_folder(train.Config(out_dir=str(tmp_path), resume=resume, lr=0.5), model)
+    assert train.resume_folder(train.Config(out_dir=str(tmp_path), resume="auto", lr=0.5), model) == (latest, 4, "w")
+    assert capsys.readouterr().out == ""  # the same flags: nothing to say
+    cfg = train.Config(out_dir=str(tmp_path), resume="auto", lr=0.25, seed=3)
+    assert train.resume_folder(cfg, model) == (latest, 4, "w")
+    assert capsys.readouterr().out == f"resuming {latest} with flags changed since it was saved: --lr 0.5 -> 0.25, " \
+                                      "--seed 0 -> 3\n"
+    elsewhere = tmp_path / "elsewhere"  # an earlier checkpoint into an out_dir of its own: a branch, allowed
+    assert train.resume_folder(train.Config(out_dir=str(elsewhere), resume=earlier, lr=0.5), model)[:2] == (earlier, 2)

@@ -297,7 +297,7 @@ def test_non_finite_grad_norm_skips_the_step(tmp_path):
 def test_lr_schedule_warms_up_then_holds_or_decays():
     cfg = train.Config(warmup_steps=4, steps=14, lr_schedule="constant")
     assert [train.lr_factor(s, cfg) for s in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
-    cosine = train.Config(warmup_steps=4, steps=14, lr_schedule="cosine")
+    cosine = train.Config(warmup_steps=4, steps=15, lr_schedule="cosine")  # steps 0..14: 10% at the last, 14
     assert [train.lr_factor(s, cosine) for s in (4, 9, 14)] == pytest.approx([1.0, 0.55, 0.1])
 
 
