@@ -48,6 +48,9 @@ _EXPR_CHARS = re.compile(r"[0-9+\-*/()\s]*")
 _EXPR_TOKEN = re.compile(r"[0-9]+|[-+*/()]")
 _NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
 _LAST_NUMBER = re.compile(r"(?<![0-9])-?[0-9]+(?:\.[0-9]+)?")  # no lookbehind would read "10-12" as 10 and -12
+_LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")  # \text{ apples}: its text
+# Around a number, not part of it: LaTeX's \$ \% and spacing, {,} between thousands, degrees, units and words after it.
+_NOT_THE_NUMBER = re.compile(r"\\[$%!,; ]|\{,\}|[$%,]|\^\{?\\circ\}?|\s*[A-Za-z][A-Za-z\s]*$")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -141,8 +144,11 @@ DATASETS = {"gsm8k": "openai/gsm8k", "math": "DigitalLearningGmbH/MATH-lighteval
 
 
 def _to_number(text: str) -> Fraction | None:
-    """'$1,234.00 ' -> Fraction(1234); None if the text is not a plain decimal number."""
-    text = text.replace(",", "").replace("$", "").strip().rstrip(".")
+    """'$1,234.00 ', '\\$1{,}234', '1234 \\text{ apples}', 'x = 1234\\%' -> Fraction(1234): what follows the last "=",
+    with LaTeX's dollars, percent, thousands separators and the units or words after the number dropped; None if no
+    plain decimal number remains."""
+    text = _NOT_THE_NUMBER.sub("", _LATEX_TEXT.sub(r"\1", text[:MAX_BOXED_CHARS].rpartition("=")[2]))
+    text = text.strip().rstrip(".")
     if len(text) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(text):
         return None
     return Fraction(text)  # exact, so "72.00" == "72" and 0.1 + 0.2 troubles cannot arise

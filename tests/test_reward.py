@@ -139,6 +139,17 @@ def test_gsm8k_normalises_commas_dollars_and_trailing_zeros():
     assert gsm8k_reward("\\boxed{18.}", " 18 ") == 1.0
 
 
+def test_gsm8k_reads_latex_dollars_percent_thousands_units_and_an_equation():
+    """How models box a number in LaTeX: each is the answer, and scored as such."""
+    for boxed in ("\\$18", "18\\%", "18%", "18 \\text{ apples}", "18 dollars", "\\text{18}", "18^\\circ", "x = 18",
+                  "\\$18.00", "\\mathrm{18}\\,"):
+        assert gsm8k_reward(f"so \\boxed{{{boxed}}}", "18") == 1.0, boxed
+    assert gsm8k_reward("\\boxed{\\$1{,}234}", "1234") == 1.0
+    for wrong in ("18 - 2", "18 apples and 3 pears", "x", "\\frac{36}{2}"):
+        assert gsm8k_reward(f"\\boxed{{{wrong}}}", "18") == 0.0, wrong
+    assert gsm8k_reward("\\boxed{" + "a " * 10 + "18}", "18") == 0.0  # words before it: not an answer
+
+
 def test_gsm8k_negatives_and_decimals():
     assert gsm8k_reward("The change is -5.", "-5") == 1.0
     assert gsm8k_reward("The change is -5.", "5") == 0.0
