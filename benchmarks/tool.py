@@ -30,7 +30,8 @@ def main():
     assert reward.run_python(CODE) == "1048576\n", reward.run_python(CODE)
     bare = mean_seconds(lambda: subprocess.run([interpreter, "-c", "pass"], check=True))
     tool = mean_seconds(lambda: reward.run_python(CODE))
-    print(f"cores: {os.cpu_count()}; namespaces: {'yes' if reward._isolation() else 'no'}; interpreter {interpreter}")
+    namespaces = "yes" if "unshare" in (reward._isolation() or []) else "no"
+    print(f"cores: {os.cpu_count()}; namespaces: {namespaces}; interpreter {interpreter}")
     print(f"{'one call':<28}{'ms':>8}")
     print(f"{'bare python3 -c pass':<28}{bare * 1e3:>8.1f}")
     print(f"{'reward.run_python':<28}{tool * 1e3:>8.1f}")
