@@ -194,10 +194,10 @@ def load_tokenizer_and_config(cfg, items):
         except OSError as error:  # a name that is no folder here is looked up on the hub
             raise SystemExit(f"--model {cfg.model}: no such folder, and the hub: {str(error).splitlines()[0]}")
     longest = max(len(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items)
-    if longest + cfg.max_new_tokens > config.max_position_embeddings:  # SGLang would fail the whole batch
+    if longest + cfg.max_new_tokens > config.max_position_embeddings - 6:  # SGLang fails a batch with an input of C - 6
         raise SystemExit(f"the longest prompt has {longest} tokens: with --max_new_tokens {cfg.max_new_tokens} that "
-                         f"exceeds the model's context length {config.max_position_embeddings}; lower it or "
-                         "shorten the prompts")
+                         f"exceeds the model's context length {config.max_position_embeddings} less the 6 tokens the "
+                         "engine keeps; lower it or shorten the prompts")
     return tokenizer, config
 
 
