@@ -285,9 +285,11 @@ def encode_prompt(tokenizer, prompt: list[dict] | str, plain_template: bool = Fa
 
 @functools.cache  # once per tokenizer: get_vocab() copies a vocabulary of 151k tokens
 def stop_token_ids(tokenizer) -> list[int]:
-    """EOS of the tokenizer plus Qwen's end-of-turn and end-of-text tokens, where the vocabulary has them."""
+    """EOS of the tokenizer plus the end-of-turn and end-of-text tokens of Qwen (and SmolLM2) and Llama 3, where the
+    vocabulary has them: SGLang stops at each id of a model's config, so both engines stop alike."""
     vocab = tokenizer.get_vocab()
-    ids = {tokenizer.eos_token_id} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab}
+    ends = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+    ids = {tokenizer.eos_token_id} | {vocab[t] for t in ends if t in vocab}
     return sorted(i for i in ids if i is not None)
 
 

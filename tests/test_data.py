@@ -289,6 +289,17 @@ def test_stop_token_ids_of_qwen_are_im_end_and_endoftext(qwen_tokenizer):
     assert reward.stop_token_ids(qwen_tokenizer) == [ENDOFTEXT, IM_END]
 
 
+def test_stop_token_ids_of_llama_3_are_those_its_config_ends_on():
+    """Llama-3.1-Instruct ends on eot (its tokenizer's EOS), eom and end_of_text: its config's eos_token_id is
+    [128001, 128008, 128009], at each of which SGLang stops; the trainer must stop (and see a stop) at each too."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+    ids = {"a": 0, "<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|eom_id|>": 128008, "<|eot_id|>": 128009}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(ids, unk_token="a"))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    assert reward.stop_token_ids(tok) == [128001, 128008, 128009]
+
+
 def test_a_qwen_tokenizer_saved_to_a_folder_loads_as_main_loads_it(qwen_tokenizer, tmp_path):
     qwen_tokenizer.save_pretrained(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
