@@ -293,10 +293,19 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def check_items(items: list[dict], split: str, least: int = 1, warn: bool = True, tried: int = 64) -> None:
-    """Before any model is loaded: stop with one line when there are fewer than `least` items, they lack a field the
-    prompt or reward_fn reads, or reward_fn raises on each of the first `tried`; with `warn`, print how many items
-    have a reference answer that does not parse (their "answer" is None: every reward on them is 0)."""
+def check_items(dataset, split: str, least: int = 1, warn: bool = True, tried: int = 64) -> None:
+    """Before any model is loaded, the items of `dataset` (train.py's PromptDataset, or a list): stop with one line when
+    a row cannot be made an item, there are fewer than `least` items, they lack a field the prompt or reward_fn reads,
+    or reward_fn raises on each of the first `tried`; with `warn`, print how many items have a reference answer that
+    does not parse (their "answer" is None: every reward on them is 0)."""
+    items = []
+    for i in range(len(dataset)):
+        try:
+            items.append(dataset[i])
+        except Exception as error:  # a row without a field that __getitem__ reads, or with None where it reads text
+            raise SystemExit(f"{split} row {i} (from 0) cannot be made an item ({type(error).__name__}: {error}): "
+                             "PromptDataset.__getitem__ in train.py reads a field that it lacks or holds null: check "
+                             "--data_path's rows, or __getitem__")
     if len(items) < least:
         raise SystemExit(f"the {split} split has {len(items)} rows, fewer than {least} (--prompts_per_step for train): "
                          "check --task, --data_path, --train_size, --test_size (or --eval_every 0)")
@@ -342,9 +351,11 @@ def load_rows(task: str, split: str, data_path: str, train_size: int, test_size:
     path = data_path or DATASETS[task]  # a local folder: datasets reads the splits from the file names
     try:
         return list(datasets.load_dataset(path, "main" if path == DATASETS["gsm8k"] else None, split=split))
-    except (ValueError, FileNotFoundError) as error:  # no such split, no such folder or dataset
-        raise SystemExit(f"--data_path {path}: no {split} split ({str(error).splitlines()[0][:200]}): give a folder "
-                         f"with {split}.jsonl or {split}.parquet")
+    except Exception as error:  # no such split, folder or dataset; an empty or malformed file; a failed download
+        cause = error.__cause__ or error  # datasets wraps what its reader met
+        raise SystemExit(f"--data_path {path}: no readable {split} split ({type(cause).__name__}: "
+                         f"{(str(cause).splitlines() or [''])[0][:200]}): give a folder with {split}.jsonl (a JSON "
+                         f"object a line) or {split}.parquet")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -123,18 +123,20 @@ def check_config(cfg, world):
     minimum = dict(tp=1, prompts_per_step=1, group_size=2, num_minibatches=1, micro_batch_size=1, max_new_tokens=1,
                    eval_k=1, logprob_chunk=1, reward_workers=1, beta=0, entropy_coef=0, tis_cap=0, overlong_buffer=0,
                    dynamic_sampling_rounds=0, max_tokens_per_microbatch=0, eval_every=0, save_every=0, lr=0, steps=1,
-                   keep_checkpoints=1, sample_every=0, reward_timeout=0.001, max_turns=1, eval_prompts=1)
+                   keep_checkpoints=1, sample_every=0, reward_timeout=0.001, max_turns=1, eval_prompts=1, bucket_mb=1,
+                   temperature=0, eval_temperature=0, clip_low=0, clip_high=0, weight_decay=0, max_grad_norm=0)
     for flag, low in minimum.items():
-        if getattr(cfg, flag) < low:
-            raise SystemExit(f"--{flag} must be at least {low}, not {getattr(cfg, flag)}")
+        if not low <= getattr(cfg, flag) < math.inf:  # NaN too
+            raise SystemExit(f"--{flag} must be a number from {low} up, not {getattr(cfg, flag)}")
     dp, sglang = max(world // cfg.tp, 1), cfg.engine == "sglang"
-    samples_per_rank = cfg.prompts_per_step // dp * cfg.group_size
     for bad, message in (
             (world % cfg.tp, f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}"),
             (cfg.prompts_per_step % dp, f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp}"),
-            (samples_per_rank % cfg.num_minibatches,
-             f"--num_minibatches {cfg.num_minibatches} must divide the {samples_per_rank} samples a rank"),
+            (cfg.prompts_per_step // dp * cfg.group_size % cfg.num_minibatches,
+             f"--num_minibatches {cfg.num_minibatches} must divide a rank's {cfg.prompts_per_step // dp} x G samples"),
             (cfg.kl_in_reward and cfg.beta == 0, "--kl_in_reward needs --beta above 0: beta scales the KL penalty"),
+            (cfg.temperature == 0, "--temperature must be above 0: greedy samples are all alike, nothing to learn"),
+            (os.path.realpath(cfg.out_dir) == os.path.realpath(cfg.model), "--out_dir must differ from --model"),
             (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
             ((cfg.is_mode, cfg.is_level) != ("truncate", "token") and cfg.tis_cap <= 1,
              "--is_mode and --is_level act through --tis_cap: set it above 1, the bound on the ratio"),
@@ -154,7 +156,7 @@ class PromptDataset(torch.utils.data.Dataset):
         self.boxed_prompt = reward.TOOL_PROMPT if cfg.tool else reward.BOXED_PROMPT
         self.rows = reward.load_rows(cfg.task, split, cfg.data_path, cfg.train_size, cfg.test_size, cfg.seed)
         least = cfg.prompts_per_step if split == "train" else 1  # a step's prompts; an evaluation's
-        reward.check_items([self[i] for i in range(len(self))], split, least, warn=os.environ.get("RANK", "0") == "0")
+        reward.check_items(self, split, least, warn=os.environ.get("RANK", "0") == "0")
 
     def __len__(self):
         return len(self.rows)
@@ -195,9 +197,8 @@ def load_tokenizer_and_config(cfg, items):
             raise SystemExit(f"--model {cfg.model}: no such folder, and the hub: {str(error).splitlines()[0]}")
     longest = max(len(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items)
     if longest + cfg.max_new_tokens > config.max_position_embeddings - 6:  # SGLang fails a batch with an input of C - 6
-        raise SystemExit(f"the longest prompt has {longest} tokens: with --max_new_tokens {cfg.max_new_tokens} that "
-                         f"exceeds the model's context length {config.max_position_embeddings} less the 6 tokens the "
-                         "engine keeps; lower it or shorten the prompts")
+        raise SystemExit(f"the longest prompt ({longest} tokens) and --max_new_tokens {cfg.max_new_tokens} exceed the "
+                         f"context length {config.max_position_embeddings} less 6 (SGLang's margin): lower one of them")
     return tokenizer, config
 
 
@@ -816,9 +817,8 @@ def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id, world):
     rank, final = dist.get_rank(), os.path.join(cfg.out_dir, "checkpoints", f"step_{step:06d}")
     tmp = final + ".tmp"
     try:
-        if rank == 0:  # and any other step_N.tmp: a save cut off by a kill, whose step may never be saved again
-            for old in glob.glob(os.path.join(cfg.out_dir, "checkpoints", "step_*.tmp")):
-                shutil.rmtree(old, ignore_errors=True)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         dist.barrier(group=world)
         dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=f"{tmp}/dcp")
@@ -831,8 +831,8 @@ def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id, world):
             state = json.dumps(dict(step=step, wandb_id=wandb_id, config=asdict(cfg)))  # the flags: a resume compares
             pathlib.Path(tmp, "trainer_state.json").write_text(state)
             os.replace(tmp, final)
-            for old in complete_checkpoints(cfg.out_dir)[:-cfg.keep_checkpoints]:
-                shutil.rmtree(old)
+            for old in checkpoints(cfg.out_dir)[:-cfg.keep_checkpoints] + checkpoints(cfg.out_dir, ".tmp"):
+                shutil.rmtree(old)  # the oldest, and the .tmp of saves that a kill cut off
     except BaseException as error:  # a full disk (dcp raises a BaseException): no half-written folder is left
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -842,14 +842,14 @@ def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id, world):
     return final
 
 
-def complete_checkpoints(out_dir):
-    """Complete checkpoints under out_dir, oldest first (step_N.tmp is an interrupted save)."""
-    return sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_" + "[0-9]" * 6)))
+def checkpoints(out_dir, suffix=""):
+    """Complete checkpoints under out_dir, oldest first; with suffix ".tmp", the saves in progress or cut off."""
+    return sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_" + "[0-9]" * 6 + suffix)))
 
 
 def resume_folder(cfg, model_config):
     """The --resume folder ("auto": the newest under out_dir; "": none), its step and wandb id; changed flags shown."""
-    found = complete_checkpoints(cfg.out_dir)
+    found = checkpoints(cfg.out_dir)
     path = (found[-1] if found else "") if cfg.resume == "auto" else cfg.resume
     if path and not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise SystemExit(f"--resume {path}: not a complete checkpoint folder (no trainer_state.json)")

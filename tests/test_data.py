@@ -4,6 +4,7 @@ import dataclasses
 import importlib.util
 import itertools
 import json
+import math
 import re
 import string
 from fractions import Fraction
@@ -408,6 +409,22 @@ def test_an_item_without_a_reward_field_names_getitem_to_edit(tmp_path, datasets
         NoAnswer(cfg, "train")
 
 
+
+def test_data_files_that_cannot_be_read_or_rows_without_a_field_stop_in_one_line_naming_them(tmp_path, datasets_cache):
+    """An empty file, a line that is not JSON, and rows without a field that __getitem__ reads (or null in it): one
+    SystemExit each, naming --data_path or the row, where there were tracebacks from datasets or __getitem__."""
+    good = {"question": "1 + 1?", "answer": "#### 2"}
+    cases = {"empty": ("", "StopIteration"), "broken": (json.dumps(good) + '\n{"question": 1 +\n', "ValueError"),
+             "no_field": (json.dumps({"problem": "1 + 1?", "answer": "#### 2"}) + "\n", "row 0 .*KeyError: 'question'"),
+             "null": (json.dumps(good) + "\n" + json.dumps({"question": "2 + 2?"}) + "\n", "row 1 .*AttributeError")}
+    for name, (text, why) in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.jsonl").write_text(text)
+        cfg = train.Config(task="gsm8k", data_path=str(tmp_path / name), prompts_per_step=1)
+        with pytest.raises(SystemExit, match=why) as stop:
+            train.PromptDataset(cfg, "train")
+        assert (str(tmp_path / name) if name in ("empty", "broken") else "check --data_path's rows") in str(stop.value)
+
 # ---------------------------------------------------------------------------------------------------------------
 # parse_config and check_config
 
@@ -448,7 +465,13 @@ def test_unknown_flag_exits_naming_it():
     (dict(overlong_buffer=-1), 1, "--overlong_buffer"),
     (dict(overlong_buffer=2000, max_new_tokens=1024), 1, "--overlong_buffer"),
     (dict(dynamic_sampling_rounds=-2), 1, "--dynamic_sampling_rounds"),
-    (dict(lr=-1e-6), 1, "--lr must be at least 0"), (dict(steps=0), 1, "--steps must be at least 1"),
+    (dict(lr=-1e-6), 1, "--lr must be a number from 0 up"), (dict(steps=0), 1, "--steps must be a number from 1 up"),
+    (dict(lr=math.nan), 1, "--lr must be a number from 0 up, not nan"), (dict(lr=math.inf), 1, "--lr .* not inf"),
+    (dict(reward_timeout=math.inf), 1, "--reward_timeout"), (dict(max_grad_norm=math.nan), 1, "--max_grad_norm"),
+    (dict(temperature=0.0), 1, "--temperature must be above 0: greedy samples are all alike"),
+    (dict(temperature=-1.0), 1, "--temperature"), (dict(temperature=math.nan), 1, "--temperature"),
+    (dict(clip_high=-0.5), 1, "--clip_high"), (dict(weight_decay=-1.0), 1, "--weight_decay"),
+    (dict(bucket_mb=0), 1, "--bucket_mb"), (dict(model="runs/x", out_dir="runs/x/"), 1, "--out_dir must differ from"),
     (dict(reward_timeout=0), 1, "--reward_timeout"), (dict(keep_checkpoints=0), 1, "--keep_checkpoints"),
     (dict(sample_every=-1), 1, "--sample_every"),
     (dict(max_tokens_per_microbatch=-1), 1, "--max_tokens_per_microbatch"),
@@ -499,8 +522,8 @@ def test_prompts_that_leave_no_room_for_max_new_tokens_stop_the_run_naming_the_f
     # reaches 512 - 6 (tp_worker: max_req_input_len = context - 1 - 5); a tool turn's input is the prompt and up to
     # --max_new_tokens - 1 tokens of response. It also ends responses at 512 - 2 tokens in all.
     train.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=506 - longest), items)  # fits exactly
-    with pytest.raises(SystemExit, match=f"{longest} tokens: with --max_new_tokens {507 - longest} .* length 512 less "
-                                         "the 6 tokens the engine keeps"):
+    with pytest.raises(SystemExit, match=f"{longest} tokens\\) and --max_new_tokens {507 - longest} exceed the context "
+                                         "length 512 less 6"):
         train.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=507 - longest), items)
 
 

@@ -122,7 +122,7 @@ def test_without_namespaces_root_still_runs_the_code_as_the_unprivileged_user_or
 def test_the_process_limit_counts_from_the_processes_the_user_runs_already():
     """RLIMIT_NPROC counts every thread of the code's user (nobody under root, the trainer's own user otherwise, which
     runs hundreds): the tool must still start then, while a fork bomb stays bounded."""
-    threads = "import threading, time\nfor _ in range(300):\n    threading.Thread(target=time.sleep, args=(60,)).start()"
+    threads = "import threading, time\nfor _ in range(300):\n    threading.Thread(target=time.sleep, args=[60]).start()"
     busy = psutil.Popen(["setpriv", f"--reuid={reward.NOBODY}", f"--regid={reward.NOBODY}", "--clear-groups",
                          reward.tool_interpreter(), "-c", threads + "\nprint('ready', flush=True)"],
                         stdout=subprocess.PIPE, text=True)

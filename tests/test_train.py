@@ -135,7 +135,7 @@ def test_without_evaluation_no_test_split_is_needed_and_bad_reference_answers_ar
     assert run.stdout.count("warning: 1 of 8 train items have a reference answer that does not parse") == 1
     asked = one_process(*flags[:-4], "--eval_every", "1", "--out_dir", str(tmp_path / "out2"))
     assert asked.returncode != 0 and "Traceback" not in asked.stderr
-    assert f"--data_path {tmp_path}/data: no test split" in asked.stderr and "test.jsonl" in asked.stderr
+    assert f"--data_path {tmp_path}/data: no readable test split" in asked.stderr and "test.jsonl" in asked.stderr
 
 
 def test_train_py_stays_under_1000_lines():
