@@ -193,8 +193,8 @@ def load_tokenizer_and_config(cfg, items):
     else:
         try:
             tokenizer, config = AutoTokenizer.from_pretrained(cfg.model), AutoConfig.from_pretrained(cfg.model)
-        except OSError as error:  # a name that is no folder here is looked up on the hub
-            raise SystemExit(f"--model {cfg.model}: no such folder, and the hub: {str(error).splitlines()[0]}")
+        except (OSError, ValueError) as error:  # a name that is no folder here is looked up on the hub
+            raise SystemExit(f"--model {cfg.model}: not a model's folder, nor a hub id: {str(error).splitlines()[0]}")
     longest = max(len(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items)
     if longest + cfg.max_new_tokens > config.max_position_embeddings - 6:  # SGLang fails a batch with an input of C - 6
         raise SystemExit(f"the longest prompt ({longest} tokens) and --max_new_tokens {cfg.max_new_tokens} exceed the "

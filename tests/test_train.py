@@ -96,11 +96,14 @@ def one_process(*flags):
                           capture_output=True, text=True, timeout=300)
 
 
-def test_a_model_folder_that_does_not_exist_is_one_line_naming_the_flag(tmp_path):
-    run = one_process("--model", str(tmp_path / "no_such_model"), "--engine", "hf", "--out_dir", str(tmp_path))
-    assert run.returncode != 0 and "Traceback" not in run.stderr
-    [line] = run.stderr.strip().splitlines()
-    assert line.startswith(f"--model {tmp_path}/no_such_model: no such folder")
+def test_a_model_folder_that_does_not_exist_or_holds_no_model_is_one_line_naming_the_flag(tmp_path):
+    (tmp_path / "no_model").mkdir()
+    (tmp_path / "no_model" / "config.json").write_text("{}")  # no model_type, no tokenizer
+    for model in ("no_such_model", "no_model"):
+        run = one_process("--model", str(tmp_path / model), "--engine", "hf", "--out_dir", str(tmp_path / "out"))
+        assert run.returncode != 0 and "Traceback" not in run.stderr
+        [line] = run.stderr.strip().splitlines()
+        assert line.startswith(f"--model {tmp_path}/{model}: not a model's folder, nor a hub id: ")
 
 
 def test_a_truncated_safetensors_file_is_named_before_any_model_is_built(tmp_path):
