@@ -21,7 +21,8 @@ import train
 from demo_model import demo_tokenizer
 from test_train import ROOT, metrics, torchrun
 
-FLAGS = ("--preset", "cpu", "--eval_every", "3", "--eval_prompts", "4")
+FLAGS = ("--preset", "cpu", "--eval_every", "3", "--eval_prompts", "4", "--warmup_steps", "2",
+         "--lr_schedule", "cosine")
 TIMING = ("time_", "eta_s")
 
 
@@ -48,6 +49,8 @@ def test_k_steps_resume_k_steps_equals_2k_steps(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming " in second.stdout and "checkpoints/step_000003... " in second.stdout
     assert logged(split) == logged(straight)  # same rewards, losses, grad norms, eval, step by step
+    # lr 1e-2: warm-up over 2 steps, then cosine from 1 down to 0.1 at the last of 6: 1 + cos(pi x (0, 1/3, 2/3, 1))
+    assert [row["lr"] for row in logged(split)] == pytest.approx([0.005, 0.01, 0.01, 0.00775, 0.00325, 0.001])
     a, b = hf_weights(straight, 6), hf_weights(split, 6)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert sorted(os.listdir(split / "checkpoints")) == ["step_000003", "step_000006"]  # a save removes any .tmp
@@ -146,6 +149,8 @@ def test_a_kill_at_a_random_moment_loses_at_most_the_steps_since_the_last_checkp
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming {tmp_path}/checkpoints/step_{last:06d}... " in resumed.stdout
     assert [row["step"] for row in metrics(tmp_path)] == list(range(1, last + 3))
+    # --keep_checkpoints 2: the newest two are left, and no .tmp of a save that the kill cut off
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [f"step_{last:06d}", f"step_{last + 2:06d}"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

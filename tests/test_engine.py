@@ -160,6 +160,25 @@ def test_weight_buckets_hold_every_full_bf16_weight_once_under_hf_names(dp, tp, 
     assert all(r["names"] == results[0]["names"] for r in results)  # the same plan on every rank
 
 
+# ----------------------------------------------------------------------------- scoring
+def test_score_samples_shapes_each_reward_by_the_overlong_penalty_and_flags_what_the_limit_cut():
+    tokenizer = demo_tokenizer()
+    a, b = tokenizer("ab", add_special_tokens=False).input_ids
+    stop = tokenizer.eos_token_id
+    responses = [[a, stop], [b] * 7 + [stop], [a] * 10]  # 2, 8 and 10 tokens of --max_new_tokens 10; the last cut
+    items = [{"prompt": "Say a:", "task": "toy", "target": "a"}] * 3
+    workers = reward.RewardWorkers(1, timeout=5.0)
+    try:
+        samples, errors = workers.score_samples([train.Sample([1], r) for r in responses], items, tokenizer, 10, 4)
+    finally:
+        workers.close()
+    scores = [reward.reward_fn(tokenizer.decode(r, skip_special_tokens=True), items[0]) for r in responses]
+    assert errors == [] and [s.score for s in samples] == scores and scores[0] != scores[1]
+    # DAPO's penalty over the last 4 of 10 tokens: 0 up to 6 tokens, (8 - 6) / 4 = 0.5 off at 8, 1 off at 10
+    assert [s.reward for s in samples] == pytest.approx([scores[0], scores[1] - 0.5, scores[2] - 1.0])
+    assert [s.truncated for s in samples] == [False, False, True]
+
+
 # ----------------------------------------------------------------------------- dynamic sampling (DAPO)
 def informative_or_flat(completion, item):
     """Items marked flat score the same for every completion (a group with no gradient); the others vary."""

@@ -110,6 +110,23 @@ def test_kl_in_the_reward_leaves_it_out_of_the_loss_but_still_measures_it():
     assert metrics["kl"].item() > 0
 
 
+def test_advantages_come_from_the_shaped_reward_less_beta_times_the_groups_centred_kl():
+    """set_advantages: group advantages of each sample's reward (its score plus shaping, not the score); with
+    --kl_in_reward, beta x (its summed KL - the group's mean KL) is taken off, not divided by the std."""
+    rewards, scores = [1.0, 0.5, 0.0, 0.25], [1.0, 1.0, 0.0, 0.0]  # groups of 2, shaped apart from their scores
+    old = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5]), torch.tensor([-3.0, -1.0, -1.0]), torch.tensor([-2.0])]
+    ref = [torch.tensor([-1.5, -1.0]), torch.tensor([-0.5]), torch.tensor([-2.0, -2.0, -1.0]), torch.tensor([-1.0])]
+    samples = [train.Sample([1], score=score, reward=r, old_logprobs=o, ref_logprobs=f)
+               for score, r, o, f in zip(scores, rewards, old, ref)]
+    train.set_advantages(samples, train.Config(group_size=2, beta=0.5, kl_in_reward=True, kl_estimator="k1"))
+    kl = [-0.5, 0.0, 0.0, -1.0]  # k1 summed over each response: sum(old - ref)
+    expected = []
+    for g in (0, 2):
+        r, k = rewards[g:g + 2], kl[g:g + 2]
+        expected += [(r[j] - sum(r) / 2) / (statistics.stdev(r) + 1e-6) - 0.5 * (k[j] - sum(k) / 2) for j in (0, 1)]
+    assert [s.advantage for s in samples] == pytest.approx(expected, abs=1e-12)
+
+
 def test_k1_k2_k3_estimate_the_kl_between_two_distributions():
     """Averaged over samples of p, k1 and k3 are unbiased for KL(p || q) and k2 is close to it."""
     g = torch.Generator().manual_seed(0)

@@ -41,6 +41,7 @@ def test_wall_and_cpu_time_are_cut_off():
         start = time.perf_counter()
         out = reward.run_python("print('started', flush=True)\n" + code, timeout=1)
         assert time.perf_counter() - start < 3 and out == "started\n\n[timed out after 1 s]"
+        assert reward.tool_failure(out) == "timeout"  # counted as tool_timeouts
 
 
 def test_filling_memory_hurts_only_the_code():

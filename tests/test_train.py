@@ -77,6 +77,7 @@ def test_tensor_parallel_run_with_reference_model_logged_to_offline_wandb(tmp_pa
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-9)  # the reference model starts as the policy
     assert rows[-1]["kl"] > 0  # later the policy has moved away from it
     assert all(r["clip_frac"] >= 0 and r["mismatch_abs"] < 1e-4 for r in rows)
+    assert rows[-1]["eval_prompts"] == 16 and 0 <= rows[-1]["eval_greedy_acc"] <= 1  # both tp ranks count a prompt once
     [wandb_run] = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
     assert any(f.endswith(".wandb") for f in os.listdir(tmp_path / "wandb" / wandb_run))
     tables = glob.glob(str(tmp_path / "wandb" / wandb_run / "files" / "media" / "table" / "sample_*.table.json"))
