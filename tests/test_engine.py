@@ -185,12 +185,13 @@ def informative_or_flat(completion, item):
     return 0.5 if item["flat"] else random.random()
 
 
-def collect(rank, world, dataset, rounds):
+def collect(rank, world, dataset, rounds, overlong_buffer):
     par = train.parallel_groups("cpu", 1)
     tokenizer = demo_tokenizer()
     config = demo_config()
     engine = train.HFEngine(config, torch.device("cpu"), owner=True)
-    cfg = train.Config(prompts_per_step=4, group_size=3, max_new_tokens=2, dynamic_sampling_rounds=rounds)
+    cfg = train.Config(prompts_per_step=4, group_size=3, max_new_tokens=max(2, overlong_buffer),
+                       dynamic_sampling_rounds=rounds, overlong_buffer=overlong_buffer)
     workers = reward.RewardWorkers(2, timeout=5.0)
     try:
         samples, errors, dropped = train.collect_rollouts(engine, workers, dataset, tokenizer, cfg, 7, par)
@@ -199,18 +200,22 @@ def collect(rank, world, dataset, rounds):
     groups = [samples[i:i + 3] for i in range(0, len(samples), 3)]
     # The items each round drew, for an independent count of what should have happened.
     drawn = [train.step_items(dataset, 7, cfg, 0, 1, r) for r in range(rounds + 1)]
-    return [[s.prompt_ids for s in g] for g in groups], [[s.reward for s in g] for g in groups], errors, \
-        dropped, [[item["flat"] for item in items] for items in drawn]
+    return [[s.prompt_ids for s in g] for g in groups], [[s.score for s in g] for g in groups], errors, \
+        dropped, [[item["flat"] for item in items] for items in drawn], [s.reward - s.score for s in samples]
 
 
-@pytest.mark.parametrize("flat_share, rounds", [(0.5, 0), (0.5, 30), (0.9, 1)])
-def test_dynamic_sampling_refills_dropped_groups_and_counts_them(monkeypatch, flat_share, rounds):
+# With an overlong penalty over all 40 tokens, responses that the random model stops at different lengths are shaped
+# apart: a group is flat by reward_fn's score alone (DAPO), not by the shaped reward.
+@pytest.mark.parametrize("flat_share, rounds, overlong_buffer", [(0.5, 0, 0), (0.5, 30, 0), (0.9, 1, 0),
+                                                                 (0.5, 30, 40)])
+def test_dynamic_sampling_refills_dropped_groups_and_counts_them(monkeypatch, flat_share, rounds, overlong_buffer):
     monkeypatch.setattr(reward, "reward_fn", informative_or_flat)  # the workers fork with it
     dataset = [{"prompt": f"row {i}", "flat": i < flat_share * 40} for i in range(40)]
-    prompts, rewards, errors, dropped, drawn = run_ranks(collect, 1, dataset, rounds)[0]
+    prompts, scores, errors, dropped, drawn, shaping = run_ranks(collect, 1, dataset, rounds, overlong_buffer)[0]
     assert errors == [] and len(prompts) == 4
     assert all(len(g) == 3 and len(set(map(tuple, g))) == 1 for g in prompts)  # groups of one prompt
-    flat = [len(set(g)) == 1 for g in rewards]
+    assert not overlong_buffer or len(set(shaping)) > 1  # the penalty did shape lengths apart
+    flat = [len(set(g)) == 1 for g in scores]
     # Expected, round by round: informative groups are kept until there are 4; flat ones are dropped, and fill
     # the batch only when the rounds run out.
     kept, seen_flat = 0, 0
