@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import glob
 import importlib.util
+import inspect
 import json
 import logging
 import math
@@ -364,6 +365,7 @@ class SGLangEngine(Engine):
 
     def __init__(self, cfg, model_config, owner, world):
         import sglang
+        from sglang.srt.server_args import ServerArgs
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         if torch.cuda.is_available():
             monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID, as the engine's side expects
@@ -382,10 +384,12 @@ class SGLangEngine(Engine):
         model_config.save_pretrained(config_dir)
         # The engine's processes inherit ignored SIGINT / SIGTERM: torchrun's signals are the trainer's to act on.
         handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        known = inspect.signature(ServerArgs).parameters  # logits in fp32 from bf16 inputs, as the trainer's; sglang
+        fp32_lm_head = {"enable_fp32_lm_head": True} if "enable_fp32_lm_head" in known else {}  # 0.5.3+ has it
         self.engine = sglang.Engine(
             model_path=config_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", tp_size=cfg.tp,
             dp_size=1, base_gpu_id=base_gpu_id, nccl_port=nccl_port, random_seed=cfg.seed + dist.get_rank(),
-            enable_memory_saver=True, mem_fraction_static=cfg.mem_fraction, log_level="error")
+            enable_memory_saver=True, mem_fraction_static=cfg.mem_fraction, log_level="error", **fp32_lm_head)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         # The first request starts SGLang's event loop, which installs its own SIGTERM handler: the trainer's wins.
@@ -405,8 +409,8 @@ class SGLangEngine(Engine):
     def begin_update(self):
         if self.engine:
             self.engine.resume_memory_occupation(tags=["weights"])  # freed, not kept: every weight is pushed
-        if self.engine and hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.21 pushes in a session
-            self.engine.begin_weight_update()  # checked through the updates: outside a session they fail
+            if hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.21 pushes in a session, checked through
+                self.engine.begin_weight_update()  # the updates: outside a session they fail
 
     def update(self, bucket, group):  # each rank's own copy: engine TP rank i reads trainer rank i's GPU, its own
         from sglang.srt.utils import MultiprocessingSerializer
@@ -422,9 +426,9 @@ class SGLangEngine(Engine):
                 raise RuntimeError(f"SGLang weight update failed: {result[1]}")
 
     def end_update(self):
-        if self.engine and hasattr(self.engine, "end_weight_update"):
-            self.engine.end_weight_update()
         if self.engine:
+            if hasattr(self.engine, "end_weight_update"):
+                self.engine.end_weight_update()
             self.engine.flush_cache()  # cached prefixes were computed with the old weights
             self.engine.resume_memory_occupation(tags=["kv_cache"])
 
@@ -483,7 +487,7 @@ def push_weights(model, engine, cfg, par):
 
 
 def generate_rollouts(engine, workers, tokenizer, items, cfg, seed, temperature):
-    """On the engine's rank: a sample per item; with --tool, in turns (reward.run_tools) within one token budget."""
+    """On the engine's rank: a sample per item, scored (and why failed calls failed); --tool: turns, one budget."""
     stop_ids = reward.stop_token_ids(tokenizer)
     fence_ids = reward.fence_token_ids(tokenizer) if cfg.tool else []
     samples = running = [Sample(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items]
@@ -498,7 +502,7 @@ def generate_rollouts(engine, workers, tokenizer, items, cfg, seed, temperature)
         running = [s for s, (ids, _) in zip(running, outputs) if ids and ids[-1] in fence_ids]
         reward.run_tools(running, workers, tokenizer, cfg.max_turns, cfg.max_new_tokens)
         seed += 1  # HFEngine's next round samples afresh
-    return samples
+    return workers.score_samples(samples, items, tokenizer, cfg.max_new_tokens, cfg.overlong_buffer)
 
 
 def collect_rollouts(engine, workers, dataset, tokenizer, cfg, step, par):
@@ -509,9 +513,8 @@ def collect_rollouts(engine, workers, dataset, tokenizer, cfg, step, par):
         items = step_items(dataset, step, cfg, dp_rank, dp, sampling_round)
         repeated = [item for item in items for _ in range(cfg.group_size)]
         seed = hash((cfg.seed, step, sampling_round, dp_rank))
-        samples, failed = on_first_rank(lambda: workers.score_samples(  # generated, then scored, on the engine's rank
-            generate_rollouts(engine, workers, tokenizer, repeated, cfg, seed, cfg.temperature), repeated, tokenizer,
-            cfg.max_new_tokens, cfg.overlong_buffer), par.tp)
+        samples, failed = on_first_rank(  # on the engine's rank, sent to its TP group
+            lambda: generate_rollouts(engine, workers, tokenizer, repeated, cfg, seed, cfg.temperature), par.tp)
         errors += failed
         for group in (samples[i:i + cfg.group_size] for i in range(0, len(samples), cfg.group_size)):
             no_signal = len({s.score for s in group}) == 1  # as DAPO: on reward_fn's score, not the shaping
@@ -543,7 +546,11 @@ def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
     """Per token: log p(target), entropy of softmax(hidden @ weight.T / T); weight sharded over tp by vocabulary."""
     def sum_over_tp(x):  # all-reduce in forward, identity in backward: every tp rank computes the same loss from it
         return DTensor.from_local(x, tp_mesh, [Partial()]).full_tensor()
-    logits = (hidden @ weight.T).to_local().float() / temperature  # [C, V / tp] in fp32: bf16 loses ~3 digits
+    # [C, V / tp] in fp32 from bf16 inputs, as SGLang's fp32 LM head: bf16 logits lose ~0.01 nats. Backward sums
+    # hidden's gradient over tp (Partial), as each rank's slice of the vocabulary adds its part.
+    hidden, weight_slice = hidden.to_local(grad_placements=[Partial()]), weight.to_local()
+    logits = (torch.mm(hidden, weight_slice.T, out_dtype=torch.float32) if hidden.is_cuda
+              else hidden.float() @ weight_slice.float().T) / temperature  # CPU torch lacks mm's out_dtype
     max_logit = logits.detach().amax(-1)
     dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_mesh.get_group())
     exp = torch.exp(logits - max_logit[:, None])
@@ -799,9 +806,8 @@ def evaluate(engine, tokenizer, test_set, workers, cfg, par):
     items = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
     def solved(n, temperature):  # [len(items), n]: reward 1.0; a rank without items (more ranks than prompts): [0, n]
         repeated = [item for item in items for _ in range(n)]
-        samples, _ = on_first_rank(lambda: workers.score_samples(
-            generate_rollouts(engine, workers, tokenizer, repeated, cfg, cfg.seed, temperature), repeated, tokenizer,
-            cfg.max_new_tokens, cfg.overlong_buffer), par.tp)
+        samples, _ = on_first_rank(
+            lambda: generate_rollouts(engine, workers, tokenizer, repeated, cfg, cfg.seed, temperature), par.tp)
         return torch.tensor([s.score for s in samples]).view(-1, n) >= 1
     sampled = solved(cfg.eval_k, cfg.eval_temperature)
     sums = torch.tensor([solved(1, 0.0).sum(), sampled.float().mean(1).sum(), sampled.any(1).sum(), len(items)],

@@ -47,8 +47,7 @@ def main():
         train.push_weights(model, engine, cfg, par)
         items = [train.PromptDataset(cfg, "test")[i] for i in range(args.n)]
         start = time.perf_counter()
-        samples = train.generate_rollouts(engine, workers, tokenizer, items, cfg, 0, cfg.temperature)
-        samples, _ = workers.score_samples(samples, items, tokenizer, cfg.max_new_tokens, cfg.overlong_buffer)
+        samples, _ = train.generate_rollouts(engine, workers, tokenizer, items, cfg, 0, cfg.temperature)
         seconds = time.perf_counter() - start
         used = [s for s in samples if s.tool_outputs]
         runs = sum(len(s.tool_outputs) for s in samples)

@@ -21,7 +21,7 @@ SERVER_ARGS = {"model_path", "load_format", "skip_tokenizer_init", "tp_size", "d
                "gpu_id_step", "nccl_port", "dist_init_addr", "port", "enable_memory_saver",
                "enable_weights_cpu_backup", "mem_fraction_static", "random_seed", "attention_backend",
                "sampling_backend", "log_level", "disable_cuda_graph", "context_length", "dtype",
-               "enable_deterministic_inference", "custom_sigquit_handler"}
+               "enable_deterministic_inference", "custom_sigquit_handler", "enable_fp32_lm_head"}
 SAMPLING_PARAMS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
                    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
                    "ignore_eos", "skip_special_tokens", "no_stop_trim", "logit_bias", "sampling_seed"}

@@ -96,9 +96,8 @@ def push_then_generate(rank, world, folder, dp, tp):
     tokenizer = demo_tokenizer()
     workers = reward.RewardWorkers(1, timeout=5.0)
     try:
-        samples, errors = train.on_first_rank(lambda: workers.score_samples(
-            train.generate_rollouts(engine, workers, tokenizer, repeated, cfg, 5, 1.0), repeated, tokenizer,
-            cfg.max_new_tokens, cfg.overlong_buffer), par.tp)
+        samples, errors = train.on_first_rank(
+            lambda: train.generate_rollouts(engine, workers, tokenizer, repeated, cfg, 5, 1.0), par.tp)
     finally:
         workers.close()
     with torch.no_grad():

@@ -85,6 +85,7 @@ def test_engine_starts_with_the_arguments_the_design_needs(sglang, tmp_path, mon
     assert (kw["tp_size"], kw["dp_size"], kw["base_gpu_id"]) == (2, 1, 4)
     assert kw["nccl_port"] == 31004  # --engine_port > 0: engine_port + base_gpu_id, distinct per TP group of a node
     assert kw["enable_memory_saver"] is True and kw["mem_fraction_static"] == 0.3
+    assert kw["enable_fp32_lm_head"] is True  # the installed sglang has it: logits in fp32, as the trainer's
     assert os.environ[AGENT_STORE] == "False"  # or the engine's schedulers hang at start under torchrun
     # The architecture reaches the engine through config.json in model_path (load_format="dummy").
     assert os.path.dirname(kw["model_path"]) == cfg.out_dir

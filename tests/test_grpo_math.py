@@ -7,6 +7,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM
 
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 import train
 from test_parallel import VOCAB, make_samples, save_reference, sharded_model, tiny_config
 from live_logits import LiveLogits
@@ -272,6 +273,30 @@ def test_vocabulary_sharded_logprobs_entropy_and_gradients_equal_the_gathered_on
         assert sorted(grads) == sorted(gathered_grads)  # lm_head (tied: the embedding) and every layer
         for name, grad in gathered_grads.items():
             assert abs(grads[name] - grad).max() < 1e-5 * max(1.0, abs(grad).max()), name
+
+
+def bf16_logit_errors(rank, world, tp):
+    """Max error of the sampled tokens' log-probs from bf16 hidden states and lm_head, against float64 from the same
+    bf16 values: train.logprobs_and_entropy's, and that of logits rounded to bf16 before the softmax (the old way)."""
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(64, 1024, generator=g) / 4).bfloat16()
+    weight = (torch.randn(8192, 1024, generator=g) / 8).bfloat16()
+    targets = torch.randint(0, 8192, (64,), generator=g)
+    reference = torch.log_softmax(hidden.double() @ weight.double().T, -1)[torch.arange(64), targets]
+    rounded = torch.log_softmax((hidden @ weight.T).float(), -1)[torch.arange(64), targets]  # bf16 logits
+    tp_mesh = train.parallel_groups("cpu", tp).mesh["tp"]
+    logp, _ = train.logprobs_and_entropy(DTensor.from_local(hidden, tp_mesh, [Replicate()]),
+                                         distribute_tensor(weight, tp_mesh, [Shard(0)]), targets, 1.0, tp_mesh)
+    return (logp.double() - reference).abs().max().item(), (rounded.double() - reference).abs().max().item()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logprobs_from_bf16_weights_are_computed_from_fp32_logits(tp):
+    """SGLang's fp32 LM head makes fp32 logits of bf16 inputs: the trainer's must be as exact, or the two sides
+    differ by bf16's rounding of the logits (~0.01 nats, of the order of GSPO's clip range)."""
+    for error, rounded_error in run_ranks(bf16_logit_errors, tp, tp):
+        assert rounded_error > 3e-3  # what rounding the logits to bf16 costs at this size
+        assert error * 10 < rounded_error and error < 1e-4
 
 
 def loss_weights(rank, world, loss_agg):

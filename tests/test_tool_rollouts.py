@@ -54,8 +54,7 @@ def rollouts(tokenizer, scripts, workers=None, **flags):
     own = workers is None
     workers = workers or reward.RewardWorkers(2, timeout=5.0)
     try:
-        samples = train.generate_rollouts(engine, workers, tokenizer, items, cfg, 0, 1.0)
-        samples, errors = workers.score_samples(samples, items, tokenizer, cfg.max_new_tokens, cfg.overlong_buffer)
+        samples, errors = train.generate_rollouts(engine, workers, tokenizer, items, cfg, 0, 1.0)
     finally:
         if own:
             workers.close()
@@ -100,8 +99,8 @@ def test_without_the_tool_fences_do_not_stop_generation(qwen_tokenizer):
     cfg = train.Config(tool="", max_new_tokens=200)
     workers = reward.RewardWorkers(1, timeout=5.0)
     try:
-        [s] = train.generate_rollouts(engine, workers, qwen_tokenizer, [{"prompt": "Q:", "task": "gsm8k",
-                                                                        "answer": "42"}], cfg, 0, 1.0)
+        [s], _ = train.generate_rollouts(engine, workers, qwen_tokenizer, [{"prompt": "Q:", "task": "gsm8k",
+                                                                           "answer": "42"}], cfg, 0, 1.0)
     finally:
         workers.close()
     assert len(engine.calls) == 1 and s.response_ids == ids(qwen_tokenizer, FIRST + AFTER) and s.tool_outputs == []
