@@ -542,15 +542,29 @@ def set_advantages(samples, cfg):
         sample.advantage = advantage
 
 
+class FP32Logits(torch.autograd.Function):
+    """hidden @ weight.T [C, V / tp] in fp32 from bf16 inputs, as SGLang's fp32 LM head: bf16 logits lose ~0.01 nats.
+    CUDA's torch.mm(out_dtype=) has no derivative: backward takes bf16 products, as autograd's for a bf16 matmul."""
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        ctx.save_for_backward(hidden, weight)
+        if hidden.is_cuda:
+            return torch.mm(hidden, weight.T, out_dtype=torch.float32)
+        return hidden.float() @ weight.float().T  # CPU torch lacks mm's out_dtype
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        grad = grad.to(hidden.dtype)
+        return grad @ weight, grad.T @ hidden
+
+
 def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
     """Per token: log p(target), entropy of softmax(hidden @ weight.T / T); weight sharded over tp by vocabulary."""
     def sum_over_tp(x):  # all-reduce in forward, identity in backward: every tp rank computes the same loss from it
         return DTensor.from_local(x, tp_mesh, [Partial()]).full_tensor()
-    # [C, V / tp] in fp32 from bf16 inputs, as SGLang's fp32 LM head: bf16 logits lose ~0.01 nats. Backward sums
-    # hidden's gradient over tp (Partial), as each rank's slice of the vocabulary adds its part.
-    hidden, weight_slice = hidden.to_local(grad_placements=[Partial()]), weight.to_local()
-    logits = (torch.mm(hidden, weight_slice.T, out_dtype=torch.float32) if hidden.is_cuda
-              else hidden.float() @ weight_slice.float().T) / temperature  # CPU torch lacks mm's out_dtype
+    # Backward sums hidden's gradient over tp (Partial): each rank's slice of the vocabulary adds its part.
+    logits = FP32Logits.apply(hidden.to_local(grad_placements=[Partial()]), weight.to_local()) / temperature
     max_logit = logits.detach().amax(-1)
     dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_mesh.get_group())
     exp = torch.exp(logits - max_logit[:, None])

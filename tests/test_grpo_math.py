@@ -282,21 +282,29 @@ def bf16_logit_errors(rank, world, tp):
     hidden = (torch.randn(64, 1024, generator=g) / 4).bfloat16()
     weight = (torch.randn(8192, 1024, generator=g) / 8).bfloat16()
     targets = torch.randint(0, 8192, (64,), generator=g)
-    reference = torch.log_softmax(hidden.double() @ weight.double().T, -1)[torch.arange(64), targets]
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    reference = torch.log_softmax(h64 @ w64.T, -1)[torch.arange(64), targets]
+    reference.sum().backward()
     rounded = torch.log_softmax((hidden @ weight.T).float(), -1)[torch.arange(64), targets]  # bf16 logits
     tp_mesh = train.parallel_groups("cpu", tp).mesh["tp"]
-    logp, _ = train.logprobs_and_entropy(DTensor.from_local(hidden, tp_mesh, [Replicate()]),
-                                         distribute_tensor(weight, tp_mesh, [Shard(0)]), targets, 1.0, tp_mesh)
-    return (logp.double() - reference).abs().max().item(), (rounded.double() - reference).abs().max().item()
+    h = hidden.clone().requires_grad_()
+    w = distribute_tensor(weight, tp_mesh, [Shard(0)]).requires_grad_()
+    logp, _ = train.logprobs_and_entropy(DTensor.from_local(h, tp_mesh, [Replicate()]), w, targets, 1.0, tp_mesh)
+    logp.sum().backward()
+    grad_errors = [((g.double() - g64).abs().max() / g64.abs().max()).item()  # bf16 gradients: relative ~1e-2
+                   for g, g64 in ((h.grad, h64.grad), (w.grad.full_tensor(), w64.grad))]
+    return (logp.double() - reference).abs().max().item(), (rounded.double() - reference).abs().max().item(), \
+        grad_errors
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_logprobs_from_bf16_weights_are_computed_from_fp32_logits(tp):
     """SGLang's fp32 LM head makes fp32 logits of bf16 inputs: the trainer's must be as exact, or the two sides
     differ by bf16's rounding of the logits (~0.01 nats, of the order of GSPO's clip range)."""
-    for error, rounded_error in run_ranks(bf16_logit_errors, tp, tp):
+    for error, rounded_error, grad_errors in run_ranks(bf16_logit_errors, tp, tp):
         assert rounded_error > 3e-3  # what rounding the logits to bf16 costs at this size
         assert error * 10 < rounded_error and error < 1e-4
+        assert max(grad_errors) < 1e-2, grad_errors  # hidden's summed over tp, lm_head's slice by slice
 
 
 def loss_weights(rank, world, loss_agg):
