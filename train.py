@@ -16,6 +16,7 @@ import pathlib
 import shutil
 import signal
 import socket
+import sys
 import textwrap
 import threading
 import time
@@ -112,8 +113,10 @@ PRESETS = {"cpu": dict(model="tiny", task="toy", engine="hf", steps=30, prompts_
 
 def parse_config(argv=None):
     parser = HfArgumentParser(Config, allow_abbrev=False)
-    parser.set_defaults(**PRESETS.get(parser.parse_known_args(argv)[0].preset, {}))
-    cfg, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    quiet = open(os.devnull, "w") if os.environ.get("RANK", "0") != "0" else None  # argparse speaks once: rank 0
+    with contextlib.redirect_stderr(quiet or sys.stderr), contextlib.redirect_stdout(quiet or sys.stdout):
+        parser.set_defaults(**PRESETS.get(parser.parse_known_args(argv)[0].preset, {}))
+        cfg, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     if unknown:
         raise SystemExit(f"unknown flags {unknown}: every flag is a field of Config in train.py")
     return cfg
@@ -137,6 +140,11 @@ def check_config(cfg, world):
              f"--num_minibatches {cfg.num_minibatches} must divide a rank's {cfg.prompts_per_step // dp} x G samples"),
             (cfg.kl_in_reward and cfg.beta == 0, "--kl_in_reward needs --beta above 0: beta scales the KL penalty"),
             (cfg.temperature == 0, "--temperature must be above 0: greedy samples are all alike, nothing to learn"),
+            (not 0 < cfg.top_p <= 1, f"--top_p must be above 0 and at most 1 (1: no nucleus cut), not {cfg.top_p}"),
+            (not 0 < cfg.mem_fraction < 1, f"--mem_fraction is a share of the GPU's memory, above 0 and below 1, not {cfg.mem_fraction}"),
+            (cfg.wandb_project and os.environ.get("WANDB_MODE") not in ("offline", "dryrun", "disabled")
+             and not wandb_credentials(), "--wandb_project: no wandb API key here: run `wandb login`, set "
+             "WANDB_API_KEY, or log offline with WANDB_MODE=offline"),
             (os.path.realpath(cfg.out_dir) == os.path.realpath(cfg.model), "--out_dir must differ from --model"),
             (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
             ((cfg.is_mode, cfg.is_level) != ("truncate", "token") and cfg.tis_cap <= 1,
@@ -150,6 +158,14 @@ def check_config(cfg, world):
             raise SystemExit(message)
 
 
+def wandb_credentials():
+    """An API key where wandb.init finds one (WANDB_API_KEY, or ~/.netrc from `wandb login`), looked up offline."""
+    import wandb
+    from wandb.sdk.lib.wbauth import read_netrc_auth
+    host = os.environ.get("WANDB_BASE_URL", wandb.Settings().base_url)
+    return bool(os.environ.get("WANDB_API_KEY") or read_netrc_auth(host=host))
+
+
 class PromptDataset(torch.utils.data.Dataset):
     """Prompts of one task. Edit __getitem__ to change what a prompt says or to add a task (README: your own task)."""
     def __init__(self, cfg, split):
@@ -158,6 +174,9 @@ class PromptDataset(torch.utils.data.Dataset):
         self.rows = reward.load_rows(cfg.task, split, cfg.data_path, cfg.train_size, cfg.test_size, cfg.seed)
         least = cfg.prompts_per_step if split == "train" else 1  # a step's prompts; an evaluation's
         reward.check_items(self, split, least, warn=os.environ.get("RANK", "0") == "0")
+        if cfg.tool and "```python" not in str(self[0]["prompt"]):  # nothing would tell the model how to run code
+            raise SystemExit(f"--tool {cfg.tool}: --task {cfg.task}'s prompts do not offer the tool; use a task whose "
+                             "prompts do (gsm8k, math, addition), or add the offer to yours (README: the Python tool)")
 
     def __len__(self):
         return len(self.rows)
@@ -200,6 +219,9 @@ def load_tokenizer_and_config(cfg, items):
     if longest + cfg.max_new_tokens > config.max_position_embeddings - 6:  # SGLang fails a batch with an input of C - 6
         raise SystemExit(f"the longest prompt ({longest} tokens) and --max_new_tokens {cfg.max_new_tokens} exceed the "
                          f"context length {config.max_position_embeddings} less 6 (SGLang's margin): lower one of them")
+    if 0 < cfg.max_tokens_per_microbatch < longest + cfg.max_new_tokens:  # a sample must fit one micro-batch
+        raise SystemExit(f"--max_tokens_per_microbatch {cfg.max_tokens_per_microbatch} is below the longest sample: "
+                         f"{longest} prompt tokens + --max_new_tokens {cfg.max_new_tokens}; raise it or lower those")
     return tokenizer, config
 
 
@@ -334,6 +356,8 @@ class Engine:
 
 class HFEngine(Engine):
     """HF generate on an unsharded fp32 copy of the policy; the push hands it each bucket as a state dict."""
+    batch_bytes = 1 << 30  # generate keeps every step's fp32 logits [prompts, T, V]: this much at most, then batches
+
     def __init__(self, model_config, device, owner):
         self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).to(device).eval() if owner \
             else None
@@ -344,6 +368,10 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):
+        n = max(1, self.batch_bytes // (max(budgets) * self.model.config.vocab_size * 4))
+        if len(prompts) > n:  # in batches of n prompts, each seeded afresh
+            return [out for i in range(0, len(prompts), n) for out in self.generate(
+                prompts[i:i + n], budgets[i:i + n], temperature, top_p, stop_ids, seed + i)]
         longest, device = max(map(len, prompts)), self.model.device
         ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)  # left-padded, masked
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -585,16 +613,17 @@ def response_logprobs(model, samples, cfg, tp_mesh):
     mask = torch.tensor([[1] * len(q) + [0] * (longest - len(q)) for q in seqs], device=device)
     out = model(input_ids=ids, attention_mask=mask, logits_to_keep=ids.new_zeros(0), output_hidden_states=True)
     last = out.hidden_states[-1]  # the final norm's output [B, T, H]; position t predicts token t + 1
-    sampled = torch.tensor([m for s in samples for m in s.sampled], device=device)  # tool output: no log-prob taken
+    sampled = torch.tensor([m for s in samples for m in s.sampled], dtype=torch.bool, device=device)  # not tool output
     hidden = torch.cat([last[b, len(s.prompt_ids) - 1:len(seqs[b]) - 1] for b, s in enumerate(samples)])[sampled]
-    targets = torch.tensor([t for s in samples for t in s.response_ids], device=device)[sampled]
+    targets = torch.tensor([t for s in samples for t in s.response_ids], dtype=torch.long, device=device)[sampled]
     # lm_head, a root parameter, stays unsharded until backward; as DTensors, backward gathers its grad, sums hidden's.
     weight = DTensor.from_local(model.lm_head.weight, tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(0)])
     hidden = DTensor.from_local(hidden, tp_mesh, [Replicate()])
     compute = ((lambda *args: checkpoint(logprobs_and_entropy, *args, use_reentrant=False)) if torch.is_grad_enabled()
                else logprobs_and_entropy)
+    chunks = range(0, max(len(targets), 1), cfg.logprob_chunk)  # one, empty, where no token was sampled
     logp, entropy = zip(*[compute(hidden[i:i + cfg.logprob_chunk], weight, targets[i:i + cfg.logprob_chunk],
-                                  cfg.temperature or 1.0, tp_mesh) for i in range(0, len(targets), cfg.logprob_chunk)])
+                                  cfg.temperature, tp_mesh) for i in chunks])
     return torch.cat(logp), torch.cat(entropy)
 
 
@@ -604,7 +633,7 @@ KL_ESTIMATORS = {"k1": lambda x: x, "k2": lambda x: x ** 2 / 2, "k3": lambda x: 
 
 def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy=None, is_weights=None, lengths=None):
     """Per-token PG term (clip or CISPO) x is_weights, + beta KL, - entropy bonus, summed with weights; metric sums."""
-    log_ratio = logp - old_logp
+    log_ratio = (logp - old_logp).clamp(-20, 20)  # as verl: exp overflows above ~88, and one token would skip a step
     if cfg.ratio_level == "sequence":  # GSPO-token: value s_i = exp(response mean of log ratio), gradient s_i x d log p
         means = torch.segment_reduce(log_ratio.detach(), "mean", lengths=lengths)
         log_ratio = means.repeat_interleave(lengths) + logp - logp.detach()
@@ -619,7 +648,8 @@ def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy
         clip_mask = clipped < unclipped
     if is_weights is not None:
         per_token = per_token * is_weights
-    metrics = {"clip_frac": clip_mask.sum(), "kl": logp.new_zeros(()), "entropy": logp.new_zeros(())}
+    metrics = {"clip_frac": clip_mask.sum(), "kl": logp.new_zeros(()), "entropy": logp.new_zeros(()),
+               "ratio_clamped": ((logp - old_logp).detach().abs() > 20).sum()}
     if ref_logp is not None:
         kl = KL_ESTIMATORS[cfg.kl_estimator](logp - ref_logp)
         metrics["kl"] = kl.detach().sum()
@@ -656,7 +686,7 @@ def set_loss_weights(samples, cfg, dp_group):
         if cfg.loss_agg == "sequence":  # each sequence's token mean, then the mean over sequences (GRPO)
             s.loss_weight = dp / (max(sum(s.sampled), 1) * sequences)
         else:  # every token alike: over the tokens (DAPO), or over sequences x the length limit (Dr. GRPO)
-            s.loss_weight = dp / (tokens if cfg.loss_agg == "token" else cfg.max_new_tokens * sequences)
+            s.loss_weight = dp / (max(tokens, 1) if cfg.loss_agg == "token" else cfg.max_new_tokens * sequences)
 
 
 def clip_grad_norm(model, max_norm):
@@ -848,9 +878,14 @@ def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id, world):
             tokenizer.save_pretrained(os.path.join(tmp, "hf"))
             for file in glob.glob(os.path.join(tmp, "hf", "*")):
                 os.chmod(file, 0o644)  # transformers writes the weights 0600; readable like the rest
-            state = json.dumps(dict(step=step, wandb_id=wandb_id, config=asdict(cfg)))  # the flags: a resume compares
-            pathlib.Path(tmp, "trainer_state.json").write_text(state)
+            files = {str(f.relative_to(tmp)): f.stat().st_size for f in pathlib.Path(tmp).rglob("*") if f.is_file()}
+            state = dict(step=step, wandb_id=wandb_id, config=asdict(cfg), files=files)  # a resume checks flags, sizes
+            pathlib.Path(tmp, "trainer_state.json").write_text(json.dumps(state))
+            for folder, _, names in os.walk(tmp):  # on disk before the rename, and the rename after it: a power cut
+                for path in [folder, *(os.path.join(folder, name) for name in names)]:  # leaves one checkpoint whole
+                    fsync(path)
             os.replace(tmp, final)
+            fsync(os.path.dirname(final))
             for old in checkpoints(cfg.out_dir)[:-cfg.keep_checkpoints] + checkpoints(cfg.out_dir, ".tmp"):
                 shutil.rmtree(old)  # the oldest, and the .tmp of saves that a kill cut off
     except BaseException as error:  # a full disk (dcp raises a BaseException): no half-written folder is left
@@ -862,18 +897,50 @@ def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id, world):
     return final
 
 
+def fsync(path):
+    """A file's or a folder's data on disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def damage(path):
+    """What is missing, cut short or unreadable in the checkpoint `path` ("" if nothing): its trainer_state.json lists
+    each file's size."""
+    try:
+        sizes = json.loads(pathlib.Path(path, "trainer_state.json").read_text()).get("files", {})  # older: no sizes
+        return next((f"{name} is not the {size} bytes saved" for name, size in sizes.items()
+                     if os.path.getsize(os.path.join(path, name)) != size), "")  # an OSError names a missing one
+    except (ValueError, AttributeError):
+        return "trainer_state.json is not the JSON saved"
+    except OSError as error:
+        return f"{error.strerror}: {error.filename}"
+
+
 def checkpoints(out_dir, suffix=""):
     """Complete checkpoints under out_dir, oldest first; with suffix ".tmp", the saves in progress or cut off."""
     return sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_" + "[0-9]" * 6 + suffix)))
 
 
 def resume_folder(cfg, model_config):
-    """The --resume folder ("auto": the newest under out_dir; "": none), its step and wandb id; changed flags shown."""
-    found = checkpoints(cfg.out_dir)
-    path = (found[-1] if found else "") if cfg.resume == "auto" else cfg.resume
-    if path and not os.path.isfile(os.path.join(path, "trainer_state.json")):
-        raise SystemExit(f"--resume {path}: not a complete checkpoint folder (no trainer_state.json)")
+    """The --resume folder ("auto": the newest whole one under out_dir, damaged newer ones moved aside; "": none), its
+    step and wandb id; changed flags shown."""
+    found, path = checkpoints(cfg.out_dir), cfg.resume
+    if cfg.resume == "auto":  # the newest that reads whole; damaged newer ones are moved out of the saves' way
+        whole = [folder for folder in found if not damage(folder)]
+        path = whole[-1] if whole else ""
+        for folder in found[found.index(path) + 1 if path else 0:]:
+            print(f"--resume auto: skipping {folder} ({damage(folder)}), moved to {folder}.damaged", flush=True)
+            os.replace(folder, folder + ".damaged")
+        found = checkpoints(cfg.out_dir)
+    if path and (why := damage(path)):
+        raise SystemExit(f"--resume {path}: not a whole checkpoint ({why}): --resume auto takes the newest whole one")
     state = json.loads(pathlib.Path(path, "trainer_state.json").read_text()) if path else {"step": 0, "wandb_id": None}
+    if path and state["step"] >= cfg.steps:
+        raise SystemExit(f"--resume {path}: it is at step {state['step']} already, --steps {cfg.steps}: nothing to train; "
+                         "raise --steps to go on")
     if later := [folder for folder in found if int(folder[-6:]) > state["step"]]:  # its saves would collide, or mix
         raise SystemExit(f"--out_dir {cfg.out_dir} holds checkpoints after step {state['step']} ({later[-1]}): "
                          "--resume auto continues the newest; else delete them, or use another --out_dir")

@@ -2,6 +2,7 @@
 moment leaves a loadable checkpoint, and the HF folder loads with from_pretrained and holds the trained weights."""
 import json
 import os
+import pathlib
 import resource
 import signal
 import stat
@@ -18,8 +19,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import reward
 import train
-from demo_model import demo_tokenizer
+from demo_model import demo_config, demo_tokenizer
 from test_train import ROOT, metrics, torchrun
+from workers import run_ranks
 
 FLAGS = ("--preset", "cpu", "--eval_every", "3", "--eval_prompts", "4", "--warmup_steps", "2",
          "--lr_schedule", "cosine")
@@ -194,3 +196,74 @@ def test_a_save_that_fails_for_lack_of_space_removes_its_tmp_folder_and_says_so_
     assert f"removed {tmp_path}/checkpoints/step_000002.tmp" in out
     assert os.listdir(tmp_path / "checkpoints") == []
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
+
+
+def save_two_checkpoints_recording_syncs(rank, world, out_dir):
+    """Checkpoints of steps 1 and 2 of the tiny model, with every fsync and rename recorded in order."""
+    events, fsync, replace = [], os.fsync, os.replace
+    os.fsync = lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd)
+    os.replace = lambda src, dst: events.append(("replace", str(src), str(dst))) or replace(src, dst)
+    par = train.parallel_groups("cpu", 1)
+    cfg, config = train.Config(model="tiny", out_dir=out_dir), demo_config()
+    model = train.build_model(config, par.mesh, torch.device("cpu"))
+    train.load_weights([model], [None], cfg, config, par.world)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in (1, 2):
+        train.save_checkpoint(cfg, step, model, optimizer, demo_tokenizer(), None, par.world)
+    return events
+
+
+def test_a_checkpoint_is_on_disk_before_its_rename_and_the_rename_after_it(tmp_path):
+    """A power cut then leaves the old checkpoint or the new one whole: every file and folder of step_N.tmp is
+    fsynced before the rename to step_N, and the folder that holds it after."""
+    events = run_ranks(save_two_checkpoints_recording_syncs, 1, str(tmp_path))[0]
+    final = str(tmp_path / "checkpoints" / "step_000001")
+    rename = events.index(("replace", final + ".tmp", final))
+    synced = {path for kind, path, *_ in events[:rename] if kind == "fsync"}
+    on_disk = {os.path.join(root, name).replace(final, final + ".tmp") for root, folders, files in os.walk(final)
+               for name in folders + files} | {final + ".tmp"}
+    assert on_disk <= synced and len(on_disk) > 10, on_disk - synced  # dcp/, hf/, trainer_state.json, the folders
+    assert ("fsync", str(tmp_path / "checkpoints")) in events[rename + 1:]
+    assert (tmp_path / "checkpoints" / "step_000002").is_dir()
+
+
+def test_a_damaged_checkpoint_stops_its_resume_in_one_line_naming_the_file_and_auto_takes_the_newest_whole_one(
+        tmp_path, capsys):
+    run_ranks(save_two_checkpoints_recording_syncs, 1, str(tmp_path))
+    first, second = (str(tmp_path / "checkpoints" / f"step_{step:06d}") for step in (1, 2))
+    model = demo_config()
+    resume = lambda path: train.resume_folder(train.Config(model="tiny", out_dir=str(tmp_path), resume=path), model)
+    assert resume("auto")[:2] == (second, 2)
+    [shard] = [name for name in os.listdir(f"{second}/dcp") if name.endswith(".distcp")]
+    with open(f"{second}/dcp/{shard}", "r+b") as f:  # cut short, as by a full disk or a copy that stopped
+        f.truncate(100)
+    with pytest.raises(SystemExit, match=f"--resume {second}: not a whole checkpoint \\(dcp/{shard} is not the \\d+ "
+                                         "bytes saved\\): --resume auto takes the newest whole one"):
+        resume(second)
+    os.remove(f"{first}/hf/model.safetensors")
+    with pytest.raises(SystemExit, match=f"not a whole checkpoint \\(No such file or directory: {first}/hf/model"):
+        resume(first)
+    pathlib.Path(first, "trainer_state.json").write_text('{"step": 1, "wandb')  # a torn write
+    with pytest.raises(SystemExit, match="not a whole checkpoint \\(trainer_state.json is not the JSON saved\\)"):
+        resume(first)
+    with pytest.raises(SystemExit, match="--resume auto"):  # explicit folders that do not exist say so too
+        resume(str(tmp_path / "nowhere"))
+    # auto: both damaged, so a fresh start; each moved aside, out of the way of the saves to come, and named.
+    capsys.readouterr()
+    assert resume("auto") == ("", 0, None)
+    out = capsys.readouterr().out
+    assert f"--resume auto: skipping {second} (dcp/{shard} is not the" in out and f"moved to {second}.damaged" in out
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000001.damaged", "step_000002.damaged"]
+
+
+def test_resume_auto_goes_on_from_the_newest_whole_checkpoint_past_a_damaged_one(tmp_path):
+    flags = ("--preset", "cpu", "--eval_every", "0", "--save_every", "1", "--out_dir", str(tmp_path))
+    assert torchrun(2, *flags, "--steps", "2").returncode == 0
+    second = tmp_path / "checkpoints" / "step_000002"
+    (second / "trainer_state.json").write_text("")
+    resumed = torchrun(2, *flags, "--steps", "3", "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"skipping {second} (trainer_state.json is not the JSON saved), moved to {second}.damaged" in resumed.stdout
+    assert f"resuming {tmp_path}/checkpoints/step_000001... " in resumed.stdout
+    assert [row["step"] for row in metrics(tmp_path)] == [1, 2, 3]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000002", "step_000002.damaged", "step_000003"]

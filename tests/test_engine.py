@@ -47,6 +47,22 @@ def test_each_prompt_stops_at_its_own_budget():
     assert any(len(ids) == 12 for ids, _ in outputs)  # the longest budget is reached, not only the batch's least
 
 
+def test_many_prompts_are_generated_in_batches_whose_logits_fit_the_bound():
+    """HF generate keeps [prompts, T, V] fp32 logits: a large --eval_k or --prompts_per_step must not take them all
+    at once. Each batch is seeded on its own, so a prompt repeated across batches still gets other samples."""
+    engine, _ = tiny_engine()
+    sizes, generate = [], engine.model.generate
+    engine.model.generate = lambda input_ids, **kw: sizes.append(len(input_ids)) or generate(input_ids=input_ids, **kw)
+    engine.batch_bytes = 5 * 6 * 96 * 4  # five prompts' logits of 6 tokens over the vocabulary of 96
+    outputs = engine.generate(PROMPTS[:1] * 12, [6] * 12, 1.0, 1.0, [], seed=0)
+    assert sizes == [5, 5, 2] and [len(ids) for ids, _ in outputs] == [6] * 12
+    assert len({tuple(ids) for ids, _ in outputs}) > 5  # not the same five samples again in each batch
+    engine.batch_bytes = 1  # below one prompt: one at a time
+    sizes.clear()
+    engine.generate(PROMPTS, [6] * 3, 1.0, 1.0, [], seed=0)
+    assert sizes == [1, 1, 1]
+
+
 def test_engine_logprobs_are_those_of_the_tempered_distribution_it_samples():
     engine, model = tiny_engine()
     temperature = 0.7

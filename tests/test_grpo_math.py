@@ -92,6 +92,49 @@ def test_policy_loss_value_and_gradient_match_the_formula(estimator):
     assert metrics["entropy"].item() == pytest.approx(ent.sum().item())
 
 
+@pytest.mark.parametrize("objective", ["clip", "cispo"])
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_one_extreme_log_ratio_is_clamped_and_counted_instead_of_overflowing_the_step(objective, ratio_level):
+    """exp(log ratio) overflows above ~88: one such token made the loss inf, and the step was skipped. The log ratio
+    is clamped to [-20, 20], as verl does; the other tokens keep their exact terms."""
+    logp, old, adv, _, _, weights = random_tokens(seed=4)
+    cfg = train.Config(objective=objective, ratio_level=ratio_level)
+    lengths = torch.tensor([len(logp) - 4, 4])
+    _, want = train.policy_loss(logp, old, adv, weights, cfg, lengths=lengths)
+    with torch.no_grad():
+        old[0] = logp[0] - 100.0  # p / p_old = e^100
+    loss, metrics = train.policy_loss(logp, old, adv, weights, cfg, lengths=lengths)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert metrics["ratio_clamped"].item() == 1 and want["ratio_clamped"].item() == 0
+    if ratio_level == "token":  # the others' gradients are untouched
+        logp_again = logp.detach().clone().requires_grad_()
+        kept = torch.ones(len(logp), dtype=torch.bool)
+        kept[0] = False
+        train.policy_loss(logp_again[kept], old[kept], adv[kept], weights[kept], cfg)[0].backward()
+        assert torch.allclose(logp.grad[kept], logp_again.grad[kept], rtol=1e-12)
+
+
+def empty_responses_step(rank, world, folder, empty):
+    """A step on samples of which `empty` have no sampled token (a custom engine may return an empty response)."""
+    torch.manual_seed(0)
+    par = train.parallel_groups("cpu", 1)
+    model = sharded_model(folder, par)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    samples = make_samples(4, seed=6)
+    for i in range(empty):
+        samples.insert(0, train.Sample(prompt_ids=[5, 6, 7], advantage=1.0))
+    train.train_on_rollouts(model, optimizer, samples, train.Config(micro_batch_size=2), par)
+    return {k: v.clone() for k, v in get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True)).items()}
+
+
+def test_a_micro_batch_of_empty_responses_trains_and_changes_nothing(tmp_path):
+    folder = save_reference(tmp_path, "qwen2", False)
+    alone, with_empty = run_ranks(empty_responses_step, 1, folder, 0)[0], run_ranks(empty_responses_step, 1, folder, 2)[0]
+    assert all(torch.allclose(alone[k], with_empty[k], atol=1e-7) for k in alone)  # token mean: they add no token
+
+
 def test_policy_loss_without_entropies_has_no_bonus_and_logs_zero_entropy():
     logp, old, adv, ref, _, weights = random_tokens(seed=2)
     cfg = train.Config(beta=0.05, entropy_coef=0.01)

@@ -245,3 +245,10 @@ def test_an_unknown_task_stops_at_once_naming_the_flag_and_the_tasks_with_data(t
     out = with_data.stdout + with_data.stderr
     assert with_data.returncode != 0 and "loading" not in out and "[rank1]" not in out
     assert out.count("--task mnist: PromptDataset.__getitem__ in train.py has no branch for it") == 1
+
+
+def test_a_flag_argparse_cannot_read_is_said_once_under_torchrun(tmp_path):
+    run = torchrun(2, "--preset", "cpu", "--steps", "ten", "--out_dir", str(tmp_path))
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and out.count("argument --steps: invalid int value: 'ten'") == 1, out[-3000:]
+    assert out.count("usage: train.py") == 1
