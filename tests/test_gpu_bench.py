@@ -1,0 +1,88 @@
+"""benchmarks/gpu.py, the GPU benchmark, run end to end on this CPU at tiny sizes (--preset cpu): every row filled
+with finite numbers and labelled as a CPU run; its FLOP formula against a count by hand for Qwen2.5-0.5B."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import train
+from conftest import build_qwen_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import gpu  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny random Qwen2 with the real Qwen tokenizer and a chat template, standing in for SmolLM2 (saves ~25 s)."""
+    folder = str(tmp_path_factory.mktemp("tiny_chat"))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(gpu.shape_config("tiny")).save_pretrained(folder)
+    build_qwen_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_run(chat_model, tmp_path):
+    run = subprocess.run([sys.executable, "benchmarks/gpu.py", "--preset", "cpu", "--out_dir", str(tmp_path),
+                          "--smollm2", chat_model], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert table["label"] == "CPU RUN, not GPU figures" and "measured" in table["peak"] and table["peak_tflops"] > 0
+    settings = [f"T {t}, top_p {p}, {dtype} logits" for dtype in ("fp32", "bf16") for t, p in gpu.SAMPLING]
+    names = [(r["row"], r["what"]) for r in table["rows"]]
+    for row in ("rollout", "train", "push", "memory", "step"):
+        assert (row, "tiny, 0.0098B parameters") in names, row
+    assert [w for r, w in names if r == "logprobs"] == settings
+    assert [w for r, w in names if r == "race"] == ["TRL, vLLM colocate", "train.py", "TRL"]
+    for r in table["rows"]:
+        if r["what"] == "TRL, vLLM colocate":  # vLLM needs a GPU: the row says so instead of numbers
+            assert r["values"] == {} and r["note"] == "not run: vLLM needs a GPU"
+            continue
+        assert r["values"] and all(math.isfinite(v) for v in r["values"].values()), r
+    value = {(r["row"], r["what"]): r["values"] for r in table["rows"]}
+    rollout = value["rollout", "tiny, 0.0098B parameters"]
+    assert rollout["tokens"] == 4 * 2 * 8  # prompts x G x new tokens: stops ignored, every response at its budget
+    assert rollout["ratio"] == pytest.approx(rollout["train.py tok/s"] / rollout["engine tok/s"])
+    trained = value["train", "tiny, 0.0098B parameters"]
+    assert 0 < trained["logprob MFU"] and 0 < trained["update MFU"] and 0 <= trained["padding"] < 1
+    memory = value["memory", "tiny, 0.0098B parameters"]
+    assert memory["released GB"] == 0 and memory["training peak GB"] > 0  # the HF engine keeps its copy
+    step = value["step", "tiny, 0.0098B parameters"]
+    parts = ("generation s", "logprobs s", "update s", "push s")
+    assert step["step s"] == pytest.approx(sum(step[part] for part in parts))
+    # fp32 logits on both sides (the CPU engine is fp32): agreement to rounding; the trainer's bf16 logits lose more.
+    for t, p in gpu.SAMPLING:
+        fp32, bf16 = (value["logprobs", f"T {t}, top_p {p}, {dtype} logits"] for dtype in ("fp32", "bf16"))
+        assert fp32["mean |log r|"] < 1e-5 and bf16["mean |log r|"] > 10 * fp32["mean |log r|"]
+        assert 0 < fp32["tokens"] <= 2 * 2 * 8
+    for trainer in ("train.py", "TRL"):
+        race = value["race", trainer]
+        assert race["steps"] == 2 and 0 <= race["accuracy after"] <= 1 and race["s/step"] > 0
+    # The printed table: every line of it says it is a CPU run.
+    printed = run.stdout[run.stdout.index("\nCPU RUN, not GPU figures: cpu;"):].strip().splitlines()
+    assert len(printed) == 2 + len(table["rows"]) and all(line.startswith("CPU RUN") for line in printed[2:])
+
+
+def test_flops_of_a_qwen2_5_0_5b_forward_match_a_count_by_hand():
+    # Qwen2.5-0.5B's config.json: hidden 896, intermediate 4,864, 24 layers, 14 heads of 64, 2 KV heads, vocabulary
+    # 151,936. Per layer: q 896 x 896 = 802,816, k and v 896 x 128 = 114,688 each, o 802,816, gate, up and down
+    # 896 x 4,864 = 4,358,144 each: 14,909,440 weights; 24 layers: 357,826,560. LM head 151,936 x 896 = 136,134,656.
+    # (With the embedding, biases and norms the model has 494,032,768 parameters: the published "0.49B".)
+    layers, lm_head, attention = 357_826_560, 136_134_656, 14 * 64  # causal attention: 2 x 24 x T^2 x 896
+    config = gpu.shape_config("qwen2.5-0.5b")
+    with torch.device("meta"):
+        assert sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters()) == 494_032_768
+    answered = train.Sample([1] * 100, [2] * 50, [True] * 50)  # 150 tokens, the last 50 sampled
+    # 2 x 357,826,560 x 150 + 2 x 24 x 150^2 x 896 + 2 x 136,134,656 x 50
+    # = 107,347,968,000 + 967,680,000 + 13,613,465,600
+    assert 2 * layers * 150 + 2 * 24 * 150 ** 2 * attention + 2 * lm_head * 50 == 121_929_113_600
+    assert gpu.forward_flops(config, [answered]) == 121_929_113_600
+    with_tool = train.Sample([1] * 100, [2] * 50, [True] * 30 + [False] * 20)  # 20 tokens of tool output: no logits
+    assert gpu.forward_flops(config, [answered, with_tool]) == 2 * 121_929_113_600 - 2 * lm_head * 20
