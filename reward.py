@@ -25,6 +25,7 @@ import random
 import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -550,7 +551,27 @@ def _reward_or_error(completion: str, item: dict, timeout: float) -> tuple[float
     return float(value), None
 
 
-def _serve(connection) -> None:
+def _send(connection: socket.socket, data: bytes, deadline: float | None = None) -> None:
+    """`data` sent as one message (its length, then itself); TimeoutError past `deadline` (time.monotonic()) if any."""
+    connection.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
+    connection.sendall(len(data).to_bytes(8, "big") + data)
+
+
+def _receive(connection: socket.socket, deadline: float | None = None) -> bytes:
+    """One message; TimeoutError past `deadline` if any, EOFError when the other end has closed."""
+    def read(size):
+        data = bytearray()
+        while len(data) < size:
+            connection.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
+            chunk = connection.recv(min(size - len(data), 1 << 20))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return bytes(data)
+    return read(int.from_bytes(read(8), "big"))
+
+
+def _serve(connection: socket.socket) -> None:
     """A worker: calls each (function, args) that arrives (reward_fn's or the tool's) until the trainer closes the
     connection."""
     os.setsid()  # its own session and process group: signals sent to the trainer's group are the trainer's
@@ -561,18 +582,19 @@ def _serve(connection) -> None:
         pass
     while True:
         try:
-            function, args = pickle.loads(connection.recv_bytes())
+            function, args = pickle.loads(_receive(connection))
         except EOFError:
             return
-        connection.send_bytes(pickle.dumps(function(*args)))
+        _send(connection, pickle.dumps(function(*args)))
 
 
 class RewardWorkers:
     """reward_fn, and the tool's run_python, in `workers` forked processes, each in its own session. A reward_fn call
-    past `timeout` is cut off inside its worker (SIGALRM). A worker still busy a second later (stuck where SIGALRM
-    cannot reach, as C code with signals blocked) or dead is killed with its process group and replaced, and its call
-    scores 0: a batch never waits much longer than its slowest allowed call. With show_first_error, the first failure
-    is printed, once."""
+    past `timeout` is cut off inside its worker (SIGALRM). A worker that has not answered a second later (stuck where
+    SIGALRM cannot reach, as C code with signals blocked, or stopped by SIGSTOP) or is dead is killed with its process
+    group and replaced, and its call scores 0: every exchange with a worker, the call sent and its answer read, has
+    that deadline, so a batch never waits much longer than its slowest allowed call. With show_first_error, the first
+    failure is printed, once."""
 
     def __init__(self, workers: int, timeout: float, show_first_error: bool = False):
         self.timeout, self.show_first_error = timeout, show_first_error
@@ -581,7 +603,7 @@ class RewardWorkers:
 
     def _start(self):
         """A new worker: (process, the trainer's end of its connection)."""
-        ours, theirs = self.context.Pipe()
+        ours, theirs = socket.socketpair()  # a socket, whose every exchange can have a deadline (_run)
         process = self.context.Process(target=_serve, args=(theirs,), daemon=True)
         process.start()
         theirs.close()
@@ -594,7 +616,7 @@ class RewardWorkers:
         except ProcessLookupError:  # gone already, or killed before its setsid
             process.kill()
         process.join()
-        connection.close()  # after the kill: a worker that saw its pipe close would print a traceback
+        connection.close()  # after the kill: a worker that saw its socket close would print a traceback
 
     def _replace(self, w):
         """Worker w killed and a new one in its place; the old one's exit code."""
@@ -630,40 +652,48 @@ class RewardWorkers:
 
     def run_tools(self, codes: list[str]) -> list[str]:
         """What run_python of each code printed, the runs in parallel; a run whose worker failed says why."""
-        outputs, failed = self._run([(run_python, (code,)) for code in codes], TOOL_TIMEOUT + 5.0, "the tool")
+        outputs, failed = self._run([(run_python, (code,)) for code in codes], TOOL_TIMEOUT + 5.0, "tool")
         return [f"error: {failed[i]}" if i in failed else output for i, output in enumerate(outputs)]
 
     def _run(self, calls: list[tuple], seconds: float, what: str) -> tuple[list, dict[int, str]]:
-        """Each (function, args) called in a free worker; the results in order, and why each call that has none failed
-        (its worker died, or was still busy after `seconds`: then it is killed and replaced)."""
+        """Each (function, args) called in a free worker; the results in order, and why each call that has none failed:
+        its worker died, or did not answer within `seconds` of being sent the call, sending and answering included
+        (stuck where SIGALRM cannot reach, or stopped by SIGSTOP): then it is killed and replaced."""
         # Calls travel as pickle's bytes: SGLang patches multiprocessing's own pickling of tensors for CUDA IPC in
         # the trainer's process, after which it fails on a CPU tensor that a row may hold.
         waiting = [(i, pickle.dumps(call)) for i, call in enumerate(calls)][::-1]
         results, failed, busy = [None] * len(calls), {}, {}  # busy: worker index -> (call index, deadline)
+        died = f"its {what} worker died"
+        late = f"its {what} worker did not answer within {seconds:g} s (stuck where SIGALRM cannot reach, or stopped)"
         while waiting or busy:
+            failures = {}  # worker index -> why its call failed
             for w in range(len(self.workers)):
                 if w not in busy and waiting:
                     if not self.workers[w][0].is_alive():  # killed between calls
                         self._replace(w)
                     i, call = waiting.pop()
-                    self.workers[w][1].send_bytes(call)
                     busy[w] = (i, time.monotonic() + seconds)
-            wait = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
-            ready = multiprocessing.connection.wait([self.workers[w][1] for w in busy], wait)
-            for w, (i, deadline) in list(busy.items()):
-                connection, failure = self.workers[w][1], None
-                if connection in ready:
-                    try:
-                        results[i] = pickle.loads(connection.recv_bytes())
+                    try:  # a stopped worker reads nothing: a call larger than the socket's buffer waits for it
+                        _send(self.workers[w][1], call, busy[w][1])
+                    except OSError as error:  # TimeoutError is one
+                        failures[w] = late if isinstance(error, TimeoutError) else died
+            answering = [w for w in busy if w not in failures]
+            wait = max(0.0, min((busy[w][1] for w in answering), default=0.0) - time.monotonic())
+            ready = multiprocessing.connection.wait([self.workers[w][1] for w in answering], wait)
+            for w in answering:
+                i, deadline = busy[w]
+                if self.workers[w][1] in ready:
+                    try:  # a worker stopped half-way through its answer sends the rest never
+                        results[i] = pickle.loads(_receive(self.workers[w][1], deadline))
+                        del busy[w]
+                    except TimeoutError:
+                        failures[w] = late
                     except (EOFError, OSError):  # the call ended its worker (os._exit), or something killed it
-                        failure = f"its {what} worker died"
+                        failures[w] = died
                 elif time.monotonic() >= deadline:
-                    failure = f"{what} ran past its time limit where SIGALRM could not stop it"
-                else:
-                    continue
-                del busy[w]
-                if failure:
-                    failed[i] = f"{failure} (exit code {self._replace(w)})"
+                    failures[w] = late
+            for w, failure in failures.items():
+                failed[busy.pop(w)[0]] = f"{failure} (exit code {self._replace(w)})"
         return results, failed
 
     def close(self):

@@ -69,7 +69,8 @@ def test_raising_and_hanging_rewards_score_zero_and_the_rest_score_normally(bad_
     assert rewards == [1.0, 0.0, 1.0, 0.0, 0.0, 0.5]
     assert len(errors) == 3
     assert "a bug in the user's reward" in errors[0] and "TimeoutError" in errors[1]
-    assert "where SIGALRM could not stop it" in errors[2] and "the worker replaced" in errors[2]
+    assert "did not answer within 1.5 s (stuck where SIGALRM cannot reach" in errors[2]
+    assert "the worker replaced" in errors[2]
     assert seconds < 0.5 + 1.0 + 0.5 + 1.5  # the stuck call's timeout and second of grace, beside a 0.5 s timeout
     children = multiprocessing.active_children()
     assert not children, children
@@ -101,6 +102,30 @@ def test_a_worker_that_dies_is_replaced_at_once_and_the_others_still_score(bad_r
     assert again == ([1.0] * 3, [])
 
 
+def test_a_stopped_worker_is_killed_at_its_calls_deadline_and_replaced():
+    """A worker stopped by SIGSTOP is alive and reads nothing: a call larger than every pipe and socket buffer could
+    not even be sent to it. The exchange ends at the call's deadline, the sample scores 0 with the reason counted, the
+    others score, and its replacement scores the next batch."""
+    def give_up(signum, frame):
+        raise TimeoutError("the batch still waits on the stopped worker")
+    previous = signal.signal(signal.SIGALRM, give_up)
+    workers = reward.RewardWorkers(2, timeout=0.5)
+    item = {"task": "toy", "target": "a"}
+    try:
+        os.kill(workers.workers[0][0].pid, signal.SIGSTOP)  # the first call, of 4 MB, goes to worker 0
+        signal.setitimer(signal.ITIMER_REAL, 10)
+        rewards, errors, seconds = score_timed(workers, ["a" * (4 << 20), "aaxx", "aaaa"], [item] * 3)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        again = workers.score(["aaaa"] * 2, [item] * 2)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        workers.close()
+    assert rewards == [0.0, 0.5, 1.0] and seconds < 0.5 + 1.0 + 1.0
+    assert len(errors) == 1 and "did not answer within 1.5 s" in errors[0] and "(exit code -9)" in errors[0]
+    assert again == ([1.0, 1.0], [])
+
+
 def test_a_reward_that_is_not_a_finite_number_is_a_failed_call(bad_reward):
     workers = reward.RewardWorkers(1, timeout=5.0)
     try:
@@ -125,7 +150,7 @@ def test_workers_take_no_trainer_signal_handler_and_close_ends_what_reward_fn_st
         assert process.exitcode == -signal.SIGTERM
         rewards, errors = workers.score(["agag"], [{"task": "toy", "target": "a", "pid_file": str(tmp_path / "pid")}])
         started = psutil.Process(int((tmp_path / "pid").read_text()))
-        assert rewards == [0.0] and "could not stop it" in errors[0]
+        assert rewards == [0.0] and "did not answer within" in errors[0]
         assert not started.is_running() or started.status() == psutil.STATUS_ZOMBIE  # killed with its worker
         start = time.perf_counter()
         workers.close()
