@@ -24,11 +24,14 @@ import pickle
 import random
 import re
 import resource
+import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from fractions import Fraction
@@ -364,7 +367,16 @@ def load_rows(task: str, split: str, data_path: str, train_size: int, test_size:
 
 TOOL_OUTPUT_CHARS = 10_000  # what the model sees of a run's stdout and stderr
 TOOL_TIMEOUT = 10.0  # seconds of wall time for one run
-NOBODY = 65534  # the unprivileged user that runs the code when the trainer is root
+TOOL_PROCESSES = 16  # processes and threads one call may run at once, when the trainer is root
+# When the trainer is root, each call runs as a user of its own, TOOL_UID_BASE + the id of the thread that makes it: no
+# two calls running at once share one. The base starts the band that systemd leaves unused, above its container UIDs.
+TOOL_UID_BASE = 0x70000000
+SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # where every user may write
+# Run as root inside the call's new namespaces, before the code's user takes over: the call's folder becomes /tmp and
+# a new tmpfs of memory_mb becomes /dev/shm, so what the code writes to either is the call's alone and goes with it.
+# The code's stderr joins its stdout here, not unshare's: unshare's own words on the code's death are no output of it.
+TOOL_MOUNTS = ('folder=$1 size=$2; shift 2; mount --bind "$folder" /tmp && '
+               'mount -t tmpfs -o size="$size"m,nosuid,nodev tmpfs /dev/shm && cd /tmp/work && exec "$@" 2>&1')
 
 
 def _runnable_by_others(path: str) -> bool:
@@ -384,25 +396,43 @@ def tool_interpreter() -> str:
     return next((p for p in (sys.executable, "/usr/bin/python3") if os.path.exists(p) and _runnable_by_others(p)), "")
 
 
+def _tool_uid() -> int:
+    """The user a call made by this thread runs as: its own under root (TOOL_UID_BASE), else the trainer's."""
+    return TOOL_UID_BASE + threading.get_native_id() if os.geteuid() == 0 else os.getuid()
+
+
+def _command(namespaces: list[str], folder: str, uid: int, memory_mb: int, program: list[str]) -> list[str]:
+    """The command that runs `program` for a call: in the namespaces with TOOL_MOUNTS done, if any; as `uid` under root
+    (which dies with its parent as PID 1 does: a change of user would drop that)."""
+    mounts = ["sh", "-c", TOOL_MOUNTS, "sh", folder, str(memory_mb)] if namespaces else []
+    user = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--pdeathsig=KILL", "--"]
+    return namespaces + mounts + (user if os.geteuid() == 0 else []) + program
+
+
 @functools.cache
 def _isolation() -> list[str] | None:
-    """The command prefix that gives tool code new PID and network namespaces (when its PID 1 exits, the kernel
-    kills every process it started, double-forked daemons included; no network but a loopback that is down) and,
-    under root, the unprivileged user, dying with its parent as PID 1 does (a change of user would drop that). Where
-    the OS allows no namespaces: the user switch alone under root, else [] (limits and a session only); None when
-    root cannot switch users: then no code runs."""
-    user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--pdeathsig=KILL", "--"]
-    if os.geteuid() == 0:  # namespaces first, then the unprivileged user
-        prefixes = [["unshare", "--pid", "--fork", "--kill-child", "--net", "--", *user], user]
-    else:  # a user namespace of the trainer's user allows the others without root
-        prefixes = [["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--net", "--"], []]
-    for prefix in prefixes:
-        try:
-            if subprocess.run(prefix + ["true"], capture_output=True, timeout=10).returncode == 0:
-                return prefix
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return None
+    """The command prefix that gives tool code new mount, PID, network and IPC namespaces (and a user namespace of
+    the trainer's user when it is not root): TOOL_MOUNTS gives it a /tmp and /dev/shm of its own, and the /proc of
+    its own processes; when its PID 1 exits, the kernel kills every process it started, double-forked daemons included;
+    no network but a loopback that is down; SysV shared memory and queues go with the call. [] where the OS allows no
+    namespaces (then, under root, the call's own user, whose processes and files are found and removed after the
+    call); None when root cannot switch users: then no code runs."""
+    namespaces = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--ipc", "--"]
+    if os.geteuid() != 0:  # a user namespace of the trainer's user allows the others without root
+        namespaces[1:1] = ["--user", "--map-root-user"]
+    folder = tempfile.mkdtemp(prefix="tool_")
+    try:
+        os.mkdir(os.path.join(folder, "work"))
+        for prefix in (namespaces, []):
+            try:
+                command = _command(prefix, folder, _tool_uid(), 64, ["true"])
+                if subprocess.run(command, capture_output=True, timeout=10).returncode == 0:
+                    return prefix
+            except (OSError, subprocess.SubprocessError):
+                pass
+        return None
+    finally:
+        subprocess.run(["rm", "-rf", "--", folder], capture_output=True)
 
 
 def _threads_of(uid: int) -> int:
@@ -416,52 +446,135 @@ def _threads_of(uid: int) -> int:
     return count
 
 
+def _new_cgroup(name: str, memory_mb: int) -> str:
+    """A new memory cgroup `name` that caps a call's memory as a whole (its forks, its /dev/shm and page cache
+    included; no swap): a child of the trainer's cgroup (cgroup v1), or of the trainer's or the root cgroup, whichever
+    lets a child control memory (v2). "" where none can be made: not root, or no such cgroup file system."""
+    if os.geteuid() != 0 or not os.path.exists("/proc/self/cgroup"):
+        return ""
+    with open("/proc/self/cgroup") as f:  # lines of ID:controllers:the trainer's cgroup in their hierarchy
+        own = dict(line.rstrip("\n").split(":", 2)[1:] for line in f if line.count(":") >= 2)
+    if "memory" in own:  # cgroup v1, a hierarchy per controller: a child of the trainer's memory cgroup
+        parents = [f"/sys/fs/cgroup/memory{own['memory']}"]
+        limits = [("memory.limit_in_bytes", memory_mb << 20), ("memory.memsw.limit_in_bytes", memory_mb << 20)]
+    else:  # v2: a cgroup that holds processes (the trainer's, mostly) cannot give a child memory control; the root can
+        parents = [f"/sys/fs/cgroup{own.get('', '/')}", "/sys/fs/cgroup"]
+        limits = [("memory.max", memory_mb << 20), ("memory.swap.max", 0)]
+    for parent in parents:
+        folder = os.path.join(parent, name)
+        try:
+            os.mkdir(folder)
+        except OSError:
+            continue
+        try:
+            for i, (file, value) in enumerate(limits):
+                if i == 0 or os.path.exists(os.path.join(folder, file)):  # the swap file exists where swap is counted
+                    with open(os.path.join(folder, file), "w") as f:
+                        f.write(str(value))
+            return folder
+        except OSError:  # no memory.max: v2 gives this child no memory control
+            os.rmdir(folder)
+    return ""
+
+
+def _oom_kills(cgroup: str) -> int:
+    """How many of the call's processes the kernel killed for passing its cgroup's memory limit."""
+    for name in ("memory.events", "memory.oom_control"):  # v2, v1
+        if os.path.exists(os.path.join(cgroup, name)):
+            with open(os.path.join(cgroup, name)) as f:
+                return int(dict(line.split() for line in f).get("oom_kill", 0))
+    return 0
+
+
+def _remove_cgroup(folder: str) -> None:
+    """The call's cgroup removed, once the processes it held have all exited (at most a second)."""
+    for _ in range(100):
+        try:
+            return os.rmdir(folder)
+        except FileNotFoundError:
+            return
+        except OSError:  # busy: a killed process not yet gone
+            time.sleep(0.01)
+
+
+def _remove_files_of(uid: int, folders) -> None:
+    """Whatever `uid` owns in `folders` and in the folders within them that every user may write, removed."""
+    found, folders = [], list(folders)
+    while folders:
+        try:
+            entries = list(os.scandir(folders.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if info.st_uid == uid:
+                found.append(entry.path)
+            elif stat.S_ISDIR(info.st_mode) and info.st_mode & 0o002:
+                folders.append(entry.path)
+    for i in range(0, len(found), 1000):  # rm, as for the call's folder (_clean_up)
+        subprocess.run(["rm", "-rf", "--", *found[i:i + 1000]], stdin=subprocess.DEVNULL, capture_output=True)
+
+
 def run_python(code: str, timeout: float = TOOL_TIMEOUT, memory_mb: int = 2048) -> str:
     """Run model-written `code` in a fresh Python process and return its stdout and stderr as text: at most
-    TOOL_OUTPUT_CHARS, with a note when cut or timed out. Never raises. The process runs in a temporary folder, as an
-    unprivileged user when the trainer is root, in its own PID and network namespaces where the OS allows, with limits
-    on CPU time, wall time, memory, file size and processes; nothing it starts outlives the call."""
-    interpreter, isolation = tool_interpreter(), _isolation() if sys.platform == "linux" else []
-    if not interpreter:
-        return ("error: no Python that an unprivileged user can run (the trainer's lives where others cannot read); "
-                "install /usr/bin/python3")
-    if isolation is None:
-        return "error: the trainer is root and cannot run code as an unprivileged user: setpriv (util-linux >= 2.33)"
-    folder = tempfile.mkdtemp(prefix="tool_")
+    TOOL_OUTPUT_CHARS, with a note when cut or timed out. Never raises. The code runs in a new empty folder of its own,
+    as a user of its own when the trainer is root, in its own namespaces where the OS allows (_isolation), with limits
+    on CPU time, wall time, memory (of the call as a whole where a cgroup can be made), file size and processes; nothing
+    it starts or writes outlives the call."""
+    root, uid, namespaces, folder, cgroup = os.geteuid() == 0, _tool_uid(), [], "", ""
     try:
+        interpreter, namespaces = tool_interpreter(), _isolation() if sys.platform == "linux" else []
+        if not interpreter:
+            return ("error: no Python that an unprivileged user can run (the trainer's lives where others cannot "
+                    "read); install /usr/bin/python3")
+        if namespaces is None:
+            return ("error: the trainer is root and cannot run code as an unprivileged user: setpriv "
+                    "(util-linux >= 2.33)")
+        folder = tempfile.mkdtemp(prefix="tool_")  # main.py, and work/: the code's working directory, TMPDIR and HOME
+        inside = "/tmp" if namespaces else folder  # the folder as the code sees it: TOOL_MOUNTS makes it /tmp
+        os.mkdir(os.path.join(folder, "work"))
         with open(os.path.join(folder, "main.py"), "w", encoding="utf-8", errors="replace") as f:
             f.write(code)
-        if os.geteuid() == 0:
-            os.chown(folder, NOBODY, NOBODY)
-            os.chown(os.path.join(folder, "main.py"), NOBODY, NOBODY)
+        if root:
+            for path in (folder, os.path.join(folder, "work"), os.path.join(folder, "main.py")):
+                os.chown(path, uid, uid)
+        cgroup = _new_cgroup(os.path.basename(folder), memory_mb) if sys.platform == "linux" else ""
+        # Processes and threads, more than the code's user runs already: under root the call's own user, which runs
+        # none (or zombies that a PID 1 has not reaped); otherwise the trainer's, which runs hundreds of threads.
+        processes = (TOOL_PROCESSES if root else 256) + _threads_of(uid)
 
-        # At most 256 processes more than the code's user runs already: a trainer's user runs hundreds of threads.
-        processes = 256 + _threads_of(NOBODY if os.geteuid() == 0 else os.getuid())
-
-        def limit():  # in the child, before exec: its own session, and limits that its children inherit
+        def limit():  # in the child, before exec: its own session, cgroup and limits, which its children inherit
             os.setsid()
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the worker that started it
+            os.umask(0o077)  # what the code writes, its user's alone
+            if cgroup:
+                with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                    f.write(str(os.getpid()))
             for kind, value in ((resource.RLIMIT_CPU, math.ceil(timeout) + 1), (resource.RLIMIT_NPROC, processes),
                                 (resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_FSIZE, 64 << 20),
                                 (resource.RLIMIT_NOFILE, 256), (resource.RLIMIT_CORE, 0)):
                 resource.setrlimit(kind, (value, value))
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": folder, "PYTHONDONTWRITEBYTECODE": "1"}
+        work = f"{inside}/work"
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "TMPDIR": work, "PYTHONDONTWRITEBYTECODE": "1",
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # numpy's threads would count against the limit
         # A file, not a pipe: a flood of output cannot block anyone. Nameless and outside the folder: the code cannot
         # swap it for a link to a file only the trainer may read, or for a FIFO that would stall the reading.
         with tempfile.TemporaryFile() as output:
-            process = subprocess.Popen(isolation + [interpreter, "-I", "main.py"], cwd=folder, env=env,
-                                       stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+            command = _command(namespaces, folder, uid, memory_mb, [interpreter, "-I", f"{inside}/main.py"])
+            process = subprocess.Popen(command, cwd=os.path.join(folder, "work"), env=env, stdin=subprocess.DEVNULL,
+                                       stdout=output, stderr=subprocess.DEVNULL if namespaces else subprocess.STDOUT,
                                        preexec_fn=limit)
-            try:
-                process.wait(timeout)
-                note = ""
-            except subprocess.TimeoutExpired:
-                note = f"\n[timed out after {timeout:g} s]"
+            note = "" if _ended_within(process, timeout) else f"\n[timed out after {timeout:g} s]"
             try:
                 os.killpg(process.pid, signal.SIGKILL)  # its namespace's PID 1 goes, and every process with it
             except ProcessLookupError:
                 pass
             process.wait()
+            if cgroup and _oom_kills(cgroup):  # said as Python would: tool_failure counts it as an error
+                note += f"\nMemoryError: the call used its {memory_mb} MB of memory, its processes together; killed"
             output.seek(0)
             head = output.read(4 * TOOL_OUTPUT_CHARS)  # a character is at most 4 bytes
             size = os.fstat(output.fileno()).st_size
@@ -471,8 +584,43 @@ def run_python(code: str, timeout: float = TOOL_TIMEOUT, memory_mb: int = 2048) 
         return text + note
     except Exception as error:  # the tool never raises: the model sees what went wrong
         return f"error: the tool could not run the code ({type(error).__name__}: {error})"
-    finally:  # rm, not shutil.rmtree, which recurses per level: a folder nested 10,000 deep would raise
+    finally:
+        if folder:
+            _clean_up(folder, uid, namespaces, cgroup)
+
+
+def _ended_within(process: subprocess.Popen, timeout: float) -> bool:
+    """Whether `process` ended within `timeout` seconds. Woken by its pidfd when it ends, where the kernel has them:
+    Popen.wait(timeout) polls at intervals that double, so a call ending at 16 ms would be seen at 31 ms."""
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):  # not Linux 5.3 or newer
+        try:
+            process.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        return bool(select.select([pidfd], [], [], timeout)[0])
+    finally:
+        os.close(pidfd)
+
+
+def _clean_up(folder: str, uid: int, namespaces: list[str], cgroup: str) -> None:
+    """After a call, never raising: its folder removed, and its cgroup; under root, what its user left where every user
+    may write (the namespaces' own /tmp and /dev/shm went with them), and without a PID namespace, every process its
+    user still runs: kill(-1) as that user reaches those and no others."""
+    try:
+        if os.geteuid() == 0 and not namespaces:
+            subprocess.run(_command([], folder, uid, 0, ["sh", "-c", "kill -KILL -1"]), capture_output=True)
+        if os.geteuid() == 0:
+            _remove_files_of(uid, ("/var/tmp", "/run/lock") if namespaces else SHARED_FOLDERS)
+        # rm, not shutil.rmtree, which recurses per level: a folder nested 10,000 deep would raise
         subprocess.run(["rm", "-rf", "--", folder], stdin=subprocess.DEVNULL, capture_output=True)
+    except OSError:
+        pass
+    if cgroup:
+        _remove_cgroup(cgroup)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ metrics."""
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -153,12 +154,14 @@ def test_samples_still_generating_go_as_one_batch_per_round_and_the_others_drop_
 
 
 def test_the_tool_calls_of_a_round_run_in_parallel_in_the_workers(qwen_tokenizer):
-    # Each code waits for a file that the other creates: run one after the other, the first would time out.
-    folder = tempfile.mkdtemp()
-    os.chmod(folder, 0o777)  # the code runs as another user when the tests run as root
+    # Each code waits for a file that the other creates: run one after the other, the first would time out. Calls
+    # share no /tmp (each has its own), so the folder is in /var/tmp, writable by both calls' users when root runs
+    # the tests; each lingers after it met the other, whose file goes with its call.
+    folder = tempfile.mkdtemp(dir="/var/tmp")
+    os.chmod(folder, 0o777)
     wait = ("import os, time\nopen('{folder}/{mine}', 'w').close()\nfor _ in range(200):\n"
             "    if os.path.exists('{folder}/{other}'): break\n    time.sleep(0.02)\nprint('met' if os.path.exists("
-            "'{folder}/{other}') else 'alone')\n")
+            "'{folder}/{other}') else 'alone', flush=True)\ntime.sleep(0.5)\n")
     scripts = {f"{mine}:": f"```python\n{wait.format(folder=folder, mine=mine, other=other)}```\n" + AFTER
                for mine, other in (("a", "b"), ("b", "a"))}
     workers = reward.RewardWorkers(2, timeout=5.0)
@@ -166,6 +169,7 @@ def test_the_tool_calls_of_a_round_run_in_parallel_in_the_workers(qwen_tokenizer
         _, samples = rollouts(qwen_tokenizer, scripts, workers=workers, max_new_tokens=300)
     finally:
         workers.close()
+        shutil.rmtree(folder)
     assert [s.tool_outputs for s in samples] == [["met\n"], ["met\n"]]
 
 
