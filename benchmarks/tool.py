@@ -31,7 +31,11 @@ def main():
     bare = mean_seconds(lambda: subprocess.run([interpreter, "-c", "pass"], check=True))
     tool = mean_seconds(lambda: reward.run_python(CODE))
     namespaces = "yes" if "unshare" in (reward._isolation() or []) else "no"
-    print(f"cores: {os.cpu_count()}; namespaces: {namespaces}; interpreter {interpreter}")
+    cgroup = reward._new_cgroup("tool_benchmark", 64)  # a call's memory cgroup: its move costs an RCU grace period
+    if cgroup:
+        reward._remove_cgroup(cgroup)
+    print(f"cores: {os.cpu_count()}; namespaces: {namespaces}; cgroup: {'yes' if cgroup else 'no'}; "
+          f"interpreter {interpreter}")
     print(f"{'one call':<28}{'ms':>8}")
     print(f"{'bare python3 -c pass':<28}{bare * 1e3:>8.1f}")
     print(f"{'reward.run_python':<28}{tool * 1e3:>8.1f}")
