@@ -374,7 +374,7 @@ TOOL_UID_BASE = 0x70000000
 SHARED_FOLDERS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # where every user may write
 # Run as root inside the call's new namespaces, before the code's user takes over: the call's folder becomes /tmp and
 # a new tmpfs of memory_mb becomes /dev/shm, so what the code writes to either is the call's alone and goes with it.
-# The code's stderr joins its stdout here, not unshare's: unshare's own words on the code's death are no output of it.
+# The code's stderr joins its stdout here; unshare's own goes to /dev/null (what it says of killed code is noise).
 TOOL_MOUNTS = ('folder=$1 size=$2; shift 2; mount --bind "$folder" /tmp && '
                'mount -t tmpfs -o size="$size"m,nosuid,nodev tmpfs /dev/shm && cd /tmp/work && exec "$@" 2>&1')
 
