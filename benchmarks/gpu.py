@@ -291,7 +291,8 @@ def shape_rows(name, args, par, device, tokenizer, peak, table, work_dir):
     if "rollout" in args.only:
         direct, direct_s = timed(lambda: generate_directly(engine, prompts, cfg, 1), device)
         table.add("rollout", label, {"train.py tok/s": sampled / gen_s, "engine tok/s": direct / direct_s,
-                                     "ratio": sampled / gen_s / (direct / direct_s), "tokens": sampled},
+                                     "ratio": sampled / gen_s / (direct / direct_s), "train.py tokens": sampled,
+                                     "engine tokens": direct},
                   f"{args.prompts} prompts of {prompt_len:.0f} tokens x G {cfg.group_size} x {cfg.max_new_tokens} new "
                   f"tokens, stops ignored; {cfg.engine} engine; train.py's path includes rewards")
 
@@ -338,7 +339,8 @@ def shape_rows(name, args, par, device, tokenizer, peak, table, work_dir):
         table.add("memory", label, {"engine GB": engine_gb, "released GB": released_gb,
                                     "training peak GB": training_peak_gb},
                   "GPU: used memory of the device, peak: the trainer's allocated tensors" if device.type == "cuda"
-                  else "CPU: this process's resident set; the HF engine releases nothing")
+                  else "CPU: this process's resident set" + ("; the HF engine releases nothing" if cfg.engine == "hf"
+                                                               else ""))
     if "step" in args.only:
         step_s = gen_s + logprob_s + update_s + push_s
         table.add("step", label, {"generation s": gen_s, "logprobs s": logprob_s, "update s": update_s,

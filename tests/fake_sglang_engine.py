@@ -56,7 +56,8 @@ class Engine:
 
     def generate(self, input_ids=None, sampling_params=None, return_logprob=False, **unused):
         """Prompt i: i % 3 == 0 stops after two tokens; 1 runs to max_new_tokens; 2 samples a stop token exactly at
-        the limit, which 0.5.17 reports as finish_reason "length"."""
+        the limit, which 0.5.17 reports as finish_reason "length". With no stop token ids (the config names no EOS)
+        or ignore_eos, every prompt runs to max_new_tokens."""
         assert not self.offload_tags, f"generate with released memory {self.offload_tags}: garbage or a crash"
         assert all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in input_ids)
         per_request = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(input_ids)
@@ -69,10 +70,11 @@ class Engine:
         outputs = []
         for i, params in enumerate(per_request):
             limit, stop = params.get("max_new_tokens", 128), sorted(params.get("stop_token_ids", [2]))
-            body = [1000 + 10 * i + j for j in range({0: min(2, limit - 1), 1: limit, 2: limit - 1}[i % 3])]
-            ids = body if i % 3 == 1 else body + [stop[0]]
+            case = 1 if params.get("ignore_eos") or not stop else i % 3
+            body = [1000 + 10 * i + j for j in range({0: min(2, limit - 1), 1: limit, 2: limit - 1}[case])]
+            ids = body if case == 1 else body + [stop[0]]
             assert not set(body) & set(stop)
-            finish = ({"type": "stop", "matched": stop[0]} if i % 3 == 0 else {"type": "length", "length": limit})
+            finish = ({"type": "stop", "matched": stop[0]} if case == 0 else {"type": "length", "length": limit})
             meta = {"id": str(i), "finish_reason": finish, "prompt_tokens": len(input_ids[i]),
                     "completion_tokens": len(ids)}
             if return_logprob:

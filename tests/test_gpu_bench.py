@@ -1,5 +1,6 @@
 """benchmarks/gpu.py, the GPU benchmark, run end to end on this CPU at tiny sizes (--preset cpu): every row filled
-with finite numbers and labelled as a CPU run; its FLOP formula against a count by hand for Qwen2.5-0.5B."""
+with finite numbers and labelled as a CPU run; its SGLang path against the fake sglang.Engine (the real sglang
+package otherwise); its FLOP formula against a count by hand for Qwen2.5-0.5B."""
 import json
 import math
 import os
@@ -28,10 +29,13 @@ def chat_model(tmp_path_factory):
     return folder
 
 
+def python(*args):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
 def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_run(chat_model, tmp_path):
-    run = subprocess.run([sys.executable, "benchmarks/gpu.py", "--preset", "cpu", "--out_dir", str(tmp_path),
-                          "--smollm2", chat_model], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    run = python("benchmarks/gpu.py", "--preset", "cpu", "--out_dir", str(tmp_path), "--smollm2", chat_model)
     assert run.returncode == 0, run.stderr[-3000:]
     table = json.loads((tmp_path / "table.json").read_text())
     assert table["label"] == "CPU RUN, not GPU figures" and "measured" in table["peak"] and table["peak_tflops"] > 0
@@ -48,7 +52,8 @@ def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_ru
         assert r["values"] and all(math.isfinite(v) for v in r["values"].values()), r
     value = {(r["row"], r["what"]): r["values"] for r in table["rows"]}
     rollout = value["rollout", "tiny, 0.0098B parameters"]
-    assert rollout["tokens"] == 4 * 2 * 8  # prompts x G x new tokens: stops ignored, every response at its budget
+    # prompts x G x new tokens on both sides: stops ignored, every response at its budget
+    assert rollout["train.py tokens"] == rollout["engine tokens"] == 4 * 2 * 8
     assert rollout["ratio"] == pytest.approx(rollout["train.py tok/s"] / rollout["engine tok/s"])
     trained = value["train", "tiny, 0.0098B parameters"]
     assert 0 < trained["logprob MFU"] and 0 < trained["update MFU"] and 0 <= trained["padding"] < 1
@@ -68,6 +73,44 @@ def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_ru
     # The printed table: every line of it says it is a CPU run.
     printed = run.stdout[run.stdout.index("\nCPU RUN, not GPU figures: cpu;"):].strip().splitlines()
     assert len(printed) == 2 + len(table["rows"]) and all(line.startswith("CPU RUN") for line in printed[2:])
+
+
+FAKE_SGLANG = """
+import json, sys
+sys.path[:0] = ["tests", "benchmarks"]
+import sglang, fake_sglang_engine
+sglang.Engine = fake_sglang_engine.Engine
+import gpu
+sys.argv[1:] = ["--preset", "cpu", "--engine", "sglang", "--only", "rollout,push,memory,step,logprobs", *sys.argv[1:]]
+gpu.main()
+print(json.dumps([dict(fp32_lm_head=e.kwargs.get("enable_fp32_lm_head"), calls=e.calls)
+                  for e in fake_sglang_engine.STARTED]))
+"""
+
+
+def test_the_sglang_path_drives_sglang_as_train_py_does_and_starts_the_bf16_engine_without_fp32_logits(
+        chat_model, tmp_path):
+    pytest.importorskip("sglang")
+    run = python("-c", FAKE_SGLANG, "--out_dir", str(tmp_path), "--smollm2", chat_model)
+    assert run.returncode == 0, run.stderr[-3000:]
+    engines = json.loads(run.stdout.strip().splitlines()[-1])
+    # One engine for the shape, then the log-prob rows' two: fp32 LM head as train.py starts it, then off.
+    assert [e["fp32_lm_head"] for e in engines] == [True, True, False]
+    assert all(e["calls"][-1] == ["shutdown"] for e in engines)
+    generate = [c[2] for c in engines[0]["calls"] if c[0] == "generate"]
+    # train.py's path asks with its own per-request params, stops dropped; the direct call with one dict, ignore_eos.
+    assert any(isinstance(p, list) and all(q["stop_token_ids"] == [] and q["max_new_tokens"] == 8 for q in p)
+               for p in generate)
+    assert {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "ignore_eos": True} in generate
+    calls = engines[0]["calls"]  # no prefix cached by an earlier run: a flush before each generation but the first
+    assert all(calls[i - 1] == ["flush_cache"] for i, c in enumerate(calls) if c[0] == "generate" and i > 0)
+    table = json.loads((tmp_path / "table.json").read_text())
+    value = {(r["row"], r["what"]): r["values"] for r in table["rows"]}
+    rollout = value["rollout", "tiny, 0.0098B parameters"]
+    assert rollout["train.py tokens"] == rollout["engine tokens"] == 4 * 2 * 8
+    assert "bfloat16" in next(r["note"] for r in table["rows"] if r["row"] == "push")  # SGLang takes bf16 pushes
+    notes = [r["note"] for r in table["rows"] if r["row"] == "logprobs"]
+    assert all("LM head fp32" in n for n in notes[:3]) and all("LM head bf16" in n for n in notes[3:])
 
 
 def test_flops_of_a_qwen2_5_0_5b_forward_match_a_count_by_hand():
