@@ -3,7 +3,7 @@ step, a race against TRL's GRPOTrainer, and how well the engine's log-probs agre
 
     python3 benchmarks/gpu.py --out_dir $OUT                        # GPU: every row (BENCHMARKS.md: the device calls)
     python3 benchmarks/gpu.py --shapes qwen2.5-3b --only rollout,train --micro_batch_size 4
-    python3 benchmarks/gpu.py --preset cpu                          # this CPU, tiny sizes, ~2 min: a CPU run
+    python3 benchmarks/gpu.py --preset cpu                          # this CPU, tiny sizes, ~4 min: a CPU run
 
 The table is printed and written to OUT_DIR/table.json as each row finishes, so a run cut off at a time limit
 leaves the rows it measured. A run on a CPU is labelled so on every line: its times are no GPU figures.
@@ -109,7 +109,7 @@ def peak_tflops(device):
     dtype, n = (torch.bfloat16, 8192) if device.type == "cuda" else (torch.float32, 1024)
     a = torch.randn(n, n, device=device, dtype=dtype)
     a @ a
-    (_, seconds) = timed(lambda: [a @ a for _ in range(10)], device)
+    _, seconds = timed(lambda: [a @ a for _ in range(10)], device)
     peak = 10 * 2 * n ** 3 / seconds / 1e12
     return peak, f"{name}, peak = the measured rate of a {n}x{n} {str(dtype)[6:]} matrix product, {peak:.3g} TFLOP/s"
 
@@ -201,6 +201,13 @@ def stop_down(engine, workers):
     """Reward workers first: SGLang's shutdown kills every child process."""
     workers.close()
     engine.shutdown()
+
+
+def empty_cache():
+    """The finished rows' tensors and the allocator's cache back to the GPU: the next engine sizes itself from it."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def ignoring_stops(engine):
@@ -464,15 +471,14 @@ def main():
             tokenizer = build_qwen_tokenizer()
             for name in args.shapes.split(","):
                 shape_rows(name, args, par, device, tokenizer, peak, table, os.path.join(work_dir, name))
-                gc.collect()  # the shape's model and optimizer: the next engine sizes itself from the free memory
-                if cuda:
-                    torch.cuda.empty_cache()
+                empty_cache()
         if args.only & {"logprobs", "race"}:
             folder = os.path.abspath(args.smollm2)
             if not os.path.isfile(os.path.join(folder, "model.safetensors")):
                 write_smollm2(folder)
             if "logprobs" in args.only:
                 logprob_rows(args, par, device, folder, table, os.path.join(work_dir, "logprobs"))
+                empty_cache()
             if "race" in args.only:
                 race_rows(args, folder, table, work_dir)
     table.print()
