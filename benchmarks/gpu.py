@@ -197,7 +197,7 @@ def start_engine(cfg, model_config, par, device, fp32_lm_head=True):
         sglang.Engine = start
 
 
-def stop_down(engine, workers):
+def shut_down_engine(engine, workers):
     """Reward workers first: SGLang's shutdown kills every child process."""
     workers.close()
     engine.shutdown()
@@ -353,7 +353,7 @@ def shape_rows(name, args, par, device, tokenizer, peak, table, work_dir):
         table.add("step", label, {"generation s": gen_s, "logprobs s": logprob_s, "update s": update_s,
                                   "push s": push_s, "step s": step_s, "tok/s": sampled / step_s},
                   f"{len(samples)} samples, {sampled} sampled tokens; tok/s: sampled tokens / step s")
-    stop_down(engine, workers)
+    shut_down_engine(engine, workers)
 
 
 def logprob_rows(args, par, device, folder, table, work_dir):
@@ -386,7 +386,7 @@ def logprob_rows(args, par, device, folder, table, work_dir):
                        "k3 KL": float(sums["mismatch_kl"]) / tokens, "tokens": tokens},
                       f"{os.path.basename(folder)}; {cfg.engine} engine's LM head {'fp32' if engine_fp32 else 'bf16'}, "
                       f"the trainer's {'fp32 (train.py)' if fp32 else 'bf16 cast to fp32'}")
-        stop_down(engine, workers)
+        shut_down_engine(engine, workers)
 
 
 def race_rows(args, folder, table, work_dir):
