@@ -4,7 +4,7 @@ model output.
 Users edit this file to change a reward or add a task; it never imports torch, so it can be tested alone.
 
 The trainer calls `reward_fn(completion, item)` once per sampled completion, in worker processes (`RewardWorkers`
-below); `item` is what PromptDataset.__getitem__ in train.py returned for the prompt. To add a task, write a function
+below); `item` is what PromptDataset.__getitem__ in reward.py returned for the prompt. To add a task, write a function
 that takes the completion string plus the fields it needs and returns a float in [0, 1], then add a branch to
 `reward_fn` (README: your own task). The contract: any string in, a float out, never raises.
 Completions are hostile input (megabytes of text, 10,000 parentheses, `__import__('os')`), so nothing here calls
@@ -242,12 +242,40 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
     return max(-1.0, min(0.0, (max_length - buffer - length) / buffer))
 
 
-
 def toy_reward(completion: str, target: str) -> float:
     """Fraction of the (whitespace-stripped) completion's characters equal to the one-character `target`.
     A dense, easy signal: a random tiny model learns to emit only `target` within a minute on CPU."""
     text = completion.strip()
     return text.count(target) / len(text) if text else 0.0
+
+
+class PromptDataset:
+    """Prompts of one task. Edit __getitem__ to change what a prompt says or to add a task (README: your own task)."""
+    def __init__(self, cfg, split):
+        self.task, self.boxed_prompt = cfg.task, TOOL_PROMPT if cfg.tool else BOXED_PROMPT
+        self.rows = load_rows(cfg.task, split, cfg.data_path, cfg.train_size, cfg.test_size, cfg.seed)
+        least = cfg.prompts_per_step if split == "train" else 1  # a step's prompts; an evaluation's
+        check_items(self, split, least, warn=os.environ.get("RANK", "0") == "0", tool=cfg.tool)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        """An item: {"prompt": chat messages, or a string used as is; "task"; and the fields reward_fn reads}."""
+        row, task = self.rows[i], self.task
+        if task == "toy":
+            return {"prompt": f"Say {row['target']}:", "task": task, "target": row["target"]}
+        if task == "countdown":  # the row is {"nums", "target"}
+            return {"prompt": [{"role": "user", "content": COUNTDOWN_PROMPT.format(**row)}], "task": task, **row}
+        if task in ("gsm8k", "addition"):  # addition's rows are generated in gsm8k's format
+            question, answer = row["question"], gsm8k_answer(row["answer"])
+        elif task == "math":  # the answer is the last \boxed{} of the reference solution, in LaTeX
+            question, answer = row["problem"], last_boxed(row["solution"])
+        else:
+            raise SystemExit(f"--task {task}: PromptDataset.__getitem__ in reward.py has no branch for it: add one, "
+                             "and one to reward_fn (README: your own task)")
+        prompt = [{"role": "user", "content": self.boxed_prompt.format(question=question)}]
+        return {"prompt": prompt, "task": task, "answer": answer}
 
 
 def reward_fn(completion: str, item: dict) -> float:
@@ -297,18 +325,19 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def check_items(dataset, split: str, least: int = 1, warn: bool = True, tried: int = 64) -> None:
-    """Before any model is loaded, the items of `dataset` (train.py's PromptDataset, or a list): stop with one line when
+def check_items(dataset, split: str, least: int = 1, warn: bool = True, tried: int = 64, tool: str = "") -> None:
+    """Before any model is loaded, the items of `dataset` (a PromptDataset, or a list): stop with one line when
     a row cannot be made an item, there are fewer than `least` items, they lack a field the prompt or reward_fn reads,
-    or reward_fn raises on each of the first `tried`; with `warn`, print how many items have a reference answer that
-    does not parse (their "answer" is None: every reward on them is 0)."""
+    reward_fn raises on each of the first `tried`, or (with `tool`) the prompts never offer the tool; with `warn`,
+    print how many items have a reference answer that does not parse (their "answer" is None: every reward on them
+    is 0)."""
     items = []
     for i in range(len(dataset)):
         try:
             items.append(dataset[i])
         except Exception as error:  # a row without a field that __getitem__ reads, or with None where it reads text
             raise SystemExit(f"{split} row {i} (from 0) cannot be made an item ({type(error).__name__}: {error}): "
-                             "PromptDataset.__getitem__ in train.py reads a field that it lacks or holds null: check "
+                             "PromptDataset.__getitem__ in reward.py reads a field that it lacks or holds null: check "
                              "--data_path's rows, or __getitem__")
     if len(items) < least:
         raise SystemExit(f"the {split} split has {len(items)} rows, fewer than {least} (--prompts_per_step for train): "
@@ -320,12 +349,15 @@ def check_items(dataset, split: str, least: int = 1, warn: bool = True, tried: i
             reward_fn("", item)
         except KeyError as missing:
             raise SystemExit(f"{split} items lack the field {missing} that the prompt or reward_fn reads: "
-                             "return it from PromptDataset.__getitem__ in train.py")
+                             "return it from PromptDataset.__getitem__ in reward.py")
         except Exception as error:
             errors.append(error)
     if errors and len(errors) == len(items[:tried]):
         raise SystemExit(f"reward_fn fails on each of the first {len(errors)} {split} items "
                          f"({type(errors[0]).__name__}: {errors[0]}): fix reward_fn in reward.py")
+    if tool and "```python" not in str(items[0]["prompt"]):  # nothing would tell the model how to run code
+        raise SystemExit(f"--tool {tool}: the {split} prompts do not offer the tool (no ```python in them): use a task "
+                         "whose prompts do (gsm8k, math, addition) or add the offer to yours (README: the Python tool)")
     bad = [i for i, item in enumerate(items) if "answer" in item and item["answer"] is None]
     if bad and warn:
         print(f"warning: {len(bad)} of {len(items)} {split} items have a reference answer that does not parse, so "

@@ -2,12 +2,10 @@
 advantages, clipped policy-gradient steps (FSDP2 over "dp", TP over "tp"), weights pushed back. Flags: Config.
     torchrun --standalone --nproc_per_node=2 train.py --preset cpu   # CPU demo: tiny random model, toy task
     torchrun --nproc_per_node=8 train.py --tp 2                       # GPU: Countdown, Qwen2.5-3B-Instruct
-Edit `PromptDataset.__getitem__` below (what a prompt is) and `reward_fn` in reward.py (how a completion scores)."""
+Edit `PromptDataset.__getitem__` (what a prompt is) and `reward_fn` (how a completion scores), both in reward.py."""
 import contextlib
 import datetime
-import glob
 import importlib.util
-import inspect
 import json
 import logging
 import math
@@ -16,7 +14,6 @@ import pathlib
 import shutil
 import signal
 import socket
-import sys
 import textwrap
 import threading
 import time
@@ -37,11 +34,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
-from torch.utils.checkpoint import checkpoint
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Qwen2Config
 
 import reward
+from reward import PromptDataset
 
 
 @dataclass
@@ -113,8 +110,8 @@ PRESETS = {"cpu": dict(model="tiny", task="toy", engine="hf", steps=30, prompts_
 
 def parse_config(argv=None):
     parser = HfArgumentParser(Config, allow_abbrev=False)
-    quiet = open(os.devnull, "w") if os.environ.get("RANK", "0") != "0" else None  # argparse speaks once: rank 0
-    with contextlib.redirect_stderr(quiet or sys.stderr), contextlib.redirect_stdout(quiet or sys.stdout):
+    quiet = os.environ.get("RANK", "0") != "0"  # argparse's errors (usage and message, to stderr) once: rank 0's
+    with contextlib.redirect_stderr(open(os.devnull, "w")) if quiet else contextlib.nullcontext():
         parser.set_defaults(**PRESETS.get(parser.parse_known_args(argv)[0].preset, {}))
         cfg, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     if unknown:
@@ -140,11 +137,8 @@ def check_config(cfg, world):
              f"--num_minibatches {cfg.num_minibatches} must divide a rank's {cfg.prompts_per_step // dp} x G samples"),
             (cfg.kl_in_reward and cfg.beta == 0, "--kl_in_reward needs --beta above 0: beta scales the KL penalty"),
             (cfg.temperature == 0, "--temperature must be above 0: greedy samples are all alike, nothing to learn"),
-            (not 0 < cfg.top_p <= 1, f"--top_p must be above 0 and at most 1 (1: no nucleus cut), not {cfg.top_p}"),
-            (not 0 < cfg.mem_fraction < 1, f"--mem_fraction is a share of the GPU's memory, above 0 and below 1, not {cfg.mem_fraction}"),
-            (cfg.wandb_project and os.environ.get("WANDB_MODE") not in ("offline", "dryrun", "disabled")
-             and not wandb_credentials(), "--wandb_project: no wandb API key here: run `wandb login`, set "
-             "WANDB_API_KEY, or log offline with WANDB_MODE=offline"),
+            (not 0 < cfg.top_p <= 1, f"--top_p must be above 0 and at most 1, not {cfg.top_p}"),
+            (not 0 < cfg.mem_fraction < 1, f"--mem_fraction is a share: above 0, below 1, not {cfg.mem_fraction}"),
             (os.path.realpath(cfg.out_dir) == os.path.realpath(cfg.model), "--out_dir must differ from --model"),
             (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
             ((cfg.is_mode, cfg.is_level) != ("truncate", "token") and cfg.tis_cap <= 1,
@@ -156,47 +150,6 @@ def check_config(cfg, world):
              f"--tp {cfg.tp} must divide the GPUs per node: an engine's TP group lives on one node")):
         if bad:
             raise SystemExit(message)
-
-
-def wandb_credentials():
-    """An API key where wandb.init finds one (WANDB_API_KEY, or ~/.netrc from `wandb login`), looked up offline."""
-    import wandb
-    from wandb.sdk.lib.wbauth import read_netrc_auth
-    host = os.environ.get("WANDB_BASE_URL", wandb.Settings().base_url)
-    return bool(os.environ.get("WANDB_API_KEY") or read_netrc_auth(host=host))
-
-
-class PromptDataset(torch.utils.data.Dataset):
-    """Prompts of one task. Edit __getitem__ to change what a prompt says or to add a task (README: your own task)."""
-    def __init__(self, cfg, split):
-        self.task = cfg.task
-        self.boxed_prompt = reward.TOOL_PROMPT if cfg.tool else reward.BOXED_PROMPT
-        self.rows = reward.load_rows(cfg.task, split, cfg.data_path, cfg.train_size, cfg.test_size, cfg.seed)
-        least = cfg.prompts_per_step if split == "train" else 1  # a step's prompts; an evaluation's
-        reward.check_items(self, split, least, warn=os.environ.get("RANK", "0") == "0")
-        if cfg.tool and "```python" not in str(self[0]["prompt"]):  # nothing would tell the model how to run code
-            raise SystemExit(f"--tool {cfg.tool}: --task {cfg.task}'s prompts do not offer the tool; use a task whose "
-                             "prompts do (gsm8k, math, addition), or add the offer to yours (README: the Python tool)")
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        """An item: {"prompt": chat messages, or a string used as is; "task"; and the fields reward_fn reads}."""
-        row, task = self.rows[i], self.task
-        if task == "toy":
-            return {"prompt": f"Say {row['target']}:", "task": task, "target": row["target"]}
-        if task == "countdown":  # the row is {"nums", "target"}
-            return {"prompt": [{"role": "user", "content": reward.COUNTDOWN_PROMPT.format(**row)}], "task": task, **row}
-        if task in ("gsm8k", "addition"):  # addition's rows are generated in gsm8k's format
-            question, answer = row["question"], reward.gsm8k_answer(row["answer"])
-        elif task == "math":  # the answer is the last \boxed{} of the reference solution, in LaTeX
-            question, answer = row["problem"], reward.last_boxed(row["solution"])
-        else:
-            raise SystemExit(f"--task {task}: PromptDataset.__getitem__ in train.py has no branch for it: add one, and "
-                             "one to reward_fn in reward.py (README: your own task)")
-        prompt = [{"role": "user", "content": self.boxed_prompt.format(question=question)}]
-        return {"prompt": prompt, "task": task, "answer": answer}
 
 
 def load_tokenizer_and_config(cfg, items):
@@ -273,9 +226,8 @@ def build_model(model_config, mesh, device, activation_checkpointing=False):
             parallelize_module(layer, mesh["tp"], {**TP_PLAN, **qk_norm})
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    on_gpu = mesh.device_type == "cuda"  # GPU: bf16 compute, fp32 master weights and reductions; CPU: fp32
-    options = dict(mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_gpu else None,
-                                                                   reduce_dtype=torch.float32))
+    param_dtype = torch.bfloat16 if mesh.device_type == "cuda" else None  # GPU: bf16 compute, fp32 master weights
+    options = dict(mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype, torch.float32))  # and reductions
     for layer in model.model.layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
@@ -288,7 +240,7 @@ def build_model(model_config, mesh, device, activation_checkpointing=False):
 def weight_files(cfg):
     """On rank 0: --model's model*.safetensors files (a hub id is downloaded), each checked to be whole."""
     folder = cfg.model if os.path.isdir(cfg.model) else snapshot_download(cfg.model, allow_patterns="*.safetensors")
-    files = sorted(glob.glob(os.path.join(folder, "model*.safetensors")))
+    files = sorted(map(str, pathlib.Path(folder).glob("model*.safetensors")))
     for file in files:
         try:
             safe_open(file, "pt")  # reads the header, which must cover the whole file
@@ -341,23 +293,16 @@ def on_first_rank(work, group):
 
 class Engine:
     """Held by each rank of a TP group, run by its first (the owner). generate(prompts, budgets, temperature, top_p,
-    stop_ids, seed): per prompt, sampled ids (stop included), log-probs of logits / T. update(bucket, group): a push."""
+    stop_ids, seed): per prompt, sampled ids (stop included), log-probs of logits / T. update(bucket, group): a push.
+    No-ops here: release_memory() after the rollouts, begin_update() before a push's first bucket, end_update() after
+    its last (the trainer's cache freed: memory back, no old weights cached), shutdown() at exit."""
     push_dtype = torch.float32  # of the pushed tensors
-
-    def release_memory(self):
-        """After the rollouts: the engine's GPU memory to the training phase."""
-    def begin_update(self):
-        """A weight push begins: room for the weights."""
-    def end_update(self):
-        """After the last bucket, with the trainer's cache freed: nothing of the old weights cached, memory back."""
-    def shutdown(self):
-        """At exit."""
+    release_memory = begin_update = end_update = shutdown = lambda self: None
 
 
 class HFEngine(Engine):
     """HF generate on an unsharded fp32 copy of the policy; the push hands it each bucket as a state dict."""
     batch_bytes = 1 << 30  # generate keeps every step's fp32 logits [prompts, T, V]: this much at most, then batches
-
     def __init__(self, model_config, device, owner):
         self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).to(device).eval() if owner \
             else None
@@ -366,8 +311,7 @@ class HFEngine(Engine):
         if self.model:
             self.model.load_state_dict(dict(bucket), strict=False)  # check_pushed_names vouches for the names
 
-    @torch.no_grad()
-    def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):
+    def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):  # HF's generate runs without grad
         n = max(1, self.batch_bytes // (max(budgets) * self.model.config.vocab_size * 4))
         if len(prompts) > n:  # in batches of n prompts, each seeded afresh
             return [out for i in range(0, len(prompts), n) for out in self.generate(
@@ -390,10 +334,8 @@ class HFEngine(Engine):
 class SGLangEngine(Engine):
     """In-process SGLang on the TP group's GPUs, run by the owner; bf16 buckets come by CUDA IPC, not through disk."""
     push_dtype = torch.bfloat16
-
     def __init__(self, cfg, model_config, owner, world):
         import sglang
-        from sglang.srt.server_args import ServerArgs
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         if torch.cuda.is_available():
             monkey_patch_torch_reductions()  # CUDA IPC handles name GPUs by UUID, as the engine's side expects
@@ -412,8 +354,8 @@ class SGLangEngine(Engine):
         model_config.save_pretrained(config_dir)
         # The engine's processes inherit ignored SIGINT / SIGTERM: torchrun's signals are the trainer's to act on.
         handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-        known = inspect.signature(ServerArgs).parameters  # logits in fp32 from bf16 inputs, as the trainer's; sglang
-        fp32_lm_head = {"enable_fp32_lm_head": True} if "enable_fp32_lm_head" in known else {}  # 0.5.3+ has it
+        # Logits in fp32 from bf16 inputs, as the trainer's: a field of sglang 0.5.3 and newer.
+        fp32_lm_head = {"enable_fp32_lm_head": True} if hasattr(sglang.ServerArgs, "enable_fp32_lm_head") else {}
         self.engine = sglang.Engine(
             model_path=config_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", tp_size=cfg.tp,
             dp_size=1, base_gpu_id=base_gpu_id, nccl_port=nccl_port, random_seed=cfg.seed + dist.get_rank(),
@@ -424,9 +366,8 @@ class SGLangEngine(Engine):
         self.engine.generate(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
 
     def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):  # seeded at start, by --seed
-        params = [dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_ids, max_new_tokens=n)
-                  for n in budgets]
-        outputs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        outputs = self.engine.generate(input_ids=prompts, return_logprob=True, sampling_params=[
+            dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_ids, max_new_tokens=n) for n in budgets])
         return [(out["output_ids"], torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]))
                 for out in outputs]
 
@@ -437,8 +378,7 @@ class SGLangEngine(Engine):
     def begin_update(self):
         if self.engine:
             self.engine.resume_memory_occupation(tags=["weights"])  # freed, not kept: every weight is pushed
-            if hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.21 pushes in a session, checked through
-                self.engine.begin_weight_update()  # the updates: outside a session they fail
+            getattr(self.engine, "begin_weight_update", lambda: None)()  # sglang >= 0.5.21: updates need a session
 
     def update(self, bucket, group):  # each rank's own copy: engine TP rank i reads trainer rank i's GPU, its own
         from sglang.srt.utils import MultiprocessingSerializer
@@ -455,8 +395,7 @@ class SGLangEngine(Engine):
 
     def end_update(self):
         if self.engine:
-            if hasattr(self.engine, "end_weight_update"):
-                self.engine.end_weight_update()
+            getattr(self.engine, "end_weight_update", lambda: None)()
             self.engine.flush_cache()  # cached prefixes were computed with the old weights
             self.engine.resume_memory_occupation(tags=["kv_cache"])
 
@@ -489,15 +428,13 @@ def check_pushed_names(model, model_config):
 
 def weight_buckets(model, bucket_bytes, dtype):
     """Full HF-named tensors of `dtype` (each shard cast before its gather) in ~bucket_bytes buckets; on every rank."""
-    bucket, size = [], 0
+    bucket = []
     for name, param in model.named_parameters():
         shard = param.detach().to(dtype)
-        full = shard.full_tensor() if isinstance(shard, DTensor) else shard
-        bucket.append((name, full))
-        size += full.numel() * full.element_size()
-        if size >= bucket_bytes:
+        bucket.append((name, shard.full_tensor() if isinstance(shard, DTensor) else shard))
+        if sum(full.nbytes for _, full in bucket) >= bucket_bytes:
             yield bucket
-            bucket, size = [], 0
+            bucket = []
     if bucket:
         yield bucket
 
@@ -516,8 +453,7 @@ def push_weights(model, engine, cfg, par):
 
 def generate_rollouts(engine, workers, tokenizer, items, cfg, seed, temperature):
     """On the engine's rank: a sample per item, scored (and why failed calls failed); --tool: turns, one budget."""
-    stop_ids = reward.stop_token_ids(tokenizer)
-    fence_ids = reward.fence_token_ids(tokenizer) if cfg.tool else []
+    stop_ids, fence_ids = reward.stop_token_ids(tokenizer), reward.fence_token_ids(tokenizer) if cfg.tool else []
     samples = running = [Sample(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items]
     while running := [s for s in running if len(s.response_ids) < cfg.max_new_tokens]:
         outputs = engine.generate([s.prompt_ids + s.response_ids for s in running],
@@ -571,20 +507,16 @@ def set_advantages(samples, cfg):
 
 
 class FP32Logits(torch.autograd.Function):
-    """hidden @ weight.T [C, V / tp] in fp32 from bf16 inputs, as SGLang's fp32 LM head: bf16 logits lose ~0.01 nats.
-    CUDA's torch.mm(out_dtype=) has no derivative: backward takes bf16 products, as autograd's for a bf16 matmul."""
+    """hidden @ w.T [C, V / tp] in fp32 from bf16 inputs, as SGLang's fp32 LM head (bf16 logits lose ~0.01 nats). CUDA's
+    torch.mm(out_dtype=) has no derivative: backward takes bf16 products, as autograd's for a bf16 matmul."""
     @staticmethod
-    def forward(ctx, hidden, weight):
-        ctx.save_for_backward(hidden, weight)
-        if hidden.is_cuda:
-            return torch.mm(hidden, weight.T, out_dtype=torch.float32)
-        return hidden.float() @ weight.float().T  # CPU torch lacks mm's out_dtype
-
+    def forward(ctx, hidden, w):
+        ctx.save_for_backward(hidden, w)  # CPU torch lacks mm's out_dtype: an upcast there
+        return torch.mm(hidden, w.T, out_dtype=torch.float32) if hidden.is_cuda else hidden.float() @ w.float().T
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight = ctx.saved_tensors
-        grad = grad.to(hidden.dtype)
-        return grad @ weight, grad.T @ hidden
+        hidden, w = ctx.saved_tensors
+        return grad.to(hidden.dtype) @ w, grad.T.to(hidden.dtype) @ hidden
 
 
 def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
@@ -593,8 +525,7 @@ def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
         return DTensor.from_local(x, tp_mesh, [Partial()]).full_tensor()
     # Backward sums hidden's gradient over tp (Partial): each rank's slice of the vocabulary adds its part.
     logits = FP32Logits.apply(hidden.to_local(grad_placements=[Partial()]), weight.to_local()) / temperature
-    max_logit = logits.detach().amax(-1)
-    dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_mesh.get_group())
+    max_logit = DTensor.from_local(logits.detach().amax(-1), tp_mesh, [Partial("max")]).full_tensor()  # over tp
     exp = torch.exp(logits - max_logit[:, None])
     sum_exp = sum_over_tp(exp.sum(-1))
     slice_start = tp_mesh.get_local_rank() * math.ceil(weight.shape[0] / tp_mesh.size())  # this rank's first id
@@ -619,8 +550,8 @@ def response_logprobs(model, samples, cfg, tp_mesh):
     # lm_head, a root parameter, stays unsharded until backward; as DTensors, backward gathers its grad, sums hidden's.
     weight = DTensor.from_local(model.lm_head.weight, tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(0)])
     hidden = DTensor.from_local(hidden, tp_mesh, [Replicate()])
-    compute = ((lambda *args: checkpoint(logprobs_and_entropy, *args, use_reentrant=False)) if torch.is_grad_enabled()
-               else logprobs_and_entropy)
+    compute = ((lambda *args: torch.utils.checkpoint.checkpoint(logprobs_and_entropy, *args, use_reentrant=False))
+               if torch.is_grad_enabled() else logprobs_and_entropy)
     chunks = range(0, max(len(targets), 1), cfg.logprob_chunk)  # one, empty, where no token was sampled
     logp, entropy = zip(*[compute(hidden[i:i + cfg.logprob_chunk], weight, targets[i:i + cfg.logprob_chunk],
                                   cfg.temperature, tp_mesh) for i in chunks])
@@ -646,15 +577,13 @@ def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy
         clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * advantages
         per_token = -torch.minimum(unclipped, clipped)
         clip_mask = clipped < unclipped
-    if is_weights is not None:
-        per_token = per_token * is_weights
+    per_token = per_token if is_weights is None else per_token * is_weights
     metrics = {"clip_frac": clip_mask.sum(), "kl": logp.new_zeros(()), "entropy": logp.new_zeros(()),
                "ratio_clamped": ((logp - old_logp).detach().abs() > 20).sum()}
     if ref_logp is not None:
         kl = KL_ESTIMATORS[cfg.kl_estimator](logp - ref_logp)
         metrics["kl"] = kl.detach().sum()
-        if not cfg.kl_in_reward:
-            per_token = per_token + cfg.beta * kl
+        per_token = per_token if cfg.kl_in_reward else per_token + cfg.beta * kl
     if entropy is not None:  # in the graph even at coef 0: backward then frees each chunk's recomputed logits
         metrics["entropy"] = entropy.detach().sum()
         per_token = per_token - cfg.entropy_coef * entropy
@@ -789,16 +718,28 @@ def step_metrics(samples, sums, errors, dropped, par):
     return dict(metrics, **total["count"], **{key: max(r["max"][key] for r in ranks) for key in local["max"]})
 
 
-def write_config(cfg, par):
-    """Rank 0 prints the config and writes it to out_dir/config.json with a new run_id, which every rank must read."""
+def open_run_dir(cfg, par, start_step, wandb_id):
+    """Before the model loads, rank 0 prints the config, starts wandb, writes out_dir/config.json with a new run_id
+    (every rank must read it) and cuts metrics.jsonl back to start_step. Returns rank 0's wandb run, or None."""
+    wandb_run = []
     def write():
         print(textwrap.fill(" ".join(f"{k}={v}" for k, v in asdict(cfg).items()), 120), flush=True)
         config = dict(asdict(cfg), run_id=os.urandom(8).hex())  # new: a folder that only one node sees lacks it
         try:
             os.makedirs(cfg.out_dir, exist_ok=True)
+            if cfg.wandb_project:
+                import wandb
+                wandb_run.append(wandb.init(project=cfg.wandb_project, config=asdict(cfg), id=wandb_id, resume="allow",
+                                            dir=cfg.out_dir))
             pathlib.Path(cfg.out_dir, "config.json").write_text(json.dumps(config, indent=1))
         except OSError as error:  # the other ranks stop with it: torchrun ends every rank when one fails
             raise SystemExit(f"--out_dir {cfg.out_dir}: cannot write there ({error.strerror}): choose another folder")
+        except Exception as error:  # wandb.init's: no API key (in a terminal it asks for one), no network
+            raise SystemExit(f"--wandb_project {cfg.wandb_project}: {error} (log offline with WANDB_MODE=offline)")
+        metrics = pathlib.Path(cfg.out_dir, "metrics.jsonl")
+        if metrics.exists():  # steps after start_step run again; a line torn by a crash has no newline
+            lines = metrics.read_text().splitlines(keepends=True)
+            metrics.write_text("".join(x for x in lines if x.endswith("\n") and json.loads(x)["step"] <= start_step))
         return config["run_id"]
     run_id = on_first_rank(write, par.world)
     path = pathlib.Path(cfg.out_dir, "config.json")
@@ -807,17 +748,7 @@ def write_config(cfg, par):
     if not seen:
         raise SystemExit(f"--out_dir {cfg.out_dir}: ranks on other nodes do not see what rank 0 writes there; it must "
                          "be a folder every node sees (a shared file system), as the same path on each")
-
-
-def open_run_dir(cfg, start_step, wandb_id):
-    """On rank 0: metrics.jsonl cut back to the resumed step, and the wandb run (None without --wandb_project)."""
-    metrics = pathlib.Path(cfg.out_dir, "metrics.jsonl")
-    lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []  # a torn line has no newline
-    metrics.write_text("".join(ln for ln in lines if ln.endswith("\n") and json.loads(ln)["step"] <= start_step))
-    if not cfg.wandb_project:
-        return None
-    import wandb
-    return wandb.init(project=cfg.wandb_project, config=asdict(cfg), id=wandb_id, resume="allow", dir=cfg.out_dir)
+    return wandb_run[0] if wandb_run else None
 
 
 def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
@@ -876,16 +807,14 @@ def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id, world):
         if rank == 0:  # config and safetensors files of 5 GB at most, which load_weights streams one at a time
             model.save_pretrained(os.path.join(tmp, "hf"), state_dict=full, max_shard_size="5GB")
             tokenizer.save_pretrained(os.path.join(tmp, "hf"))
-            for file in glob.glob(os.path.join(tmp, "hf", "*")):
+            for file in pathlib.Path(tmp, "hf").iterdir():
                 os.chmod(file, 0o644)  # transformers writes the weights 0600; readable like the rest
             files = {str(f.relative_to(tmp)): f.stat().st_size for f in pathlib.Path(tmp).rglob("*") if f.is_file()}
             state = dict(step=step, wandb_id=wandb_id, config=asdict(cfg), files=files)  # a resume checks flags, sizes
             pathlib.Path(tmp, "trainer_state.json").write_text(json.dumps(state))
-            for folder, _, names in os.walk(tmp):  # on disk before the rename, and the rename after it: a power cut
-                for path in [folder, *(os.path.join(folder, name) for name in names)]:  # leaves one checkpoint whole
-                    fsync(path)
-            os.replace(tmp, final)
-            fsync(os.path.dirname(final))
+            os.sync()  # every file and folder on disk before the rename, the rename after: a power cut leaves one
+            os.replace(tmp, final)  # checkpoint whole, the old or the new
+            os.sync()
             for old in checkpoints(cfg.out_dir)[:-cfg.keep_checkpoints] + checkpoints(cfg.out_dir, ".tmp"):
                 shutil.rmtree(old)  # the oldest, and the .tmp of saves that a kill cut off
     except BaseException as error:  # a full disk (dcp raises a BaseException): no half-written folder is left
@@ -897,18 +826,8 @@ def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id, world):
     return final
 
 
-def fsync(path):
-    """A file's or a folder's data on disk."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def damage(path):
-    """What is missing, cut short or unreadable in the checkpoint `path` ("" if nothing): its trainer_state.json lists
-    each file's size."""
+    """What is missing, cut short or unreadable in checkpoint `path` ("" if nothing), by trainer_state.json's sizes."""
     try:
         sizes = json.loads(pathlib.Path(path, "trainer_state.json").read_text()).get("files", {})  # older: no sizes
         return next((f"{name} is not the {size} bytes saved" for name, size in sizes.items()
@@ -921,26 +840,21 @@ def damage(path):
 
 def checkpoints(out_dir, suffix=""):
     """Complete checkpoints under out_dir, oldest first; with suffix ".tmp", the saves in progress or cut off."""
-    return sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_" + "[0-9]" * 6 + suffix)))
+    return sorted(map(str, pathlib.Path(out_dir, "checkpoints").glob("step_" + "[0-9]" * 6 + suffix)))
 
 
 def resume_folder(cfg, model_config):
-    """The --resume folder ("auto": the newest whole one under out_dir, damaged newer ones moved aside; "": none), its
-    step and wandb id; changed flags shown."""
-    found, path = checkpoints(cfg.out_dir), cfg.resume
-    if cfg.resume == "auto":  # the newest that reads whole; damaged newer ones are moved out of the saves' way
-        whole = [folder for folder in found if not damage(folder)]
-        path = whole[-1] if whole else ""
-        for folder in found[found.index(path) + 1 if path else 0:]:
-            print(f"--resume auto: skipping {folder} ({damage(folder)}), moved to {folder}.damaged", flush=True)
-            os.replace(folder, folder + ".damaged")
-        found = checkpoints(cfg.out_dir)
+    """The --resume folder ("auto": the newest whole one under out_dir; "": none), its step and wandb id."""
+    found = checkpoints(cfg.out_dir)
+    while cfg.resume == "auto" and found and (why := damage(found[-1])):  # out of the way of the saves to come
+        print(f"--resume auto: skipping {found[-1]} ({why}), moved to {found[-1]}.damaged", flush=True)
+        os.replace(found[-1], found.pop() + ".damaged")
+    path = (found[-1] if found else "") if cfg.resume == "auto" else cfg.resume  # auto: the newest that reads whole
     if path and (why := damage(path)):
         raise SystemExit(f"--resume {path}: not a whole checkpoint ({why}): --resume auto takes the newest whole one")
     state = json.loads(pathlib.Path(path, "trainer_state.json").read_text()) if path else {"step": 0, "wandb_id": None}
     if path and state["step"] >= cfg.steps:
-        raise SystemExit(f"--resume {path}: it is at step {state['step']} already, --steps {cfg.steps}: nothing to train; "
-                         "raise --steps to go on")
+        raise SystemExit(f"--resume {path} is at step {state['step']}, --steps {cfg.steps}: raise --steps to go on")
     if later := [folder for folder in found if int(folder[-6:]) > state["step"]]:  # its saves would collide, or mix
         raise SystemExit(f"--out_dir {cfg.out_dir} holds checkpoints after step {state['step']} ({later[-1]}): "
                          "--resume auto continues the newest; else delete them, or use another --out_dir")
@@ -1012,7 +926,7 @@ def main():
     tokenizer, model_config = load_tokenizer_and_config(cfg, [*train_set, *(test_set or [])])
     files = on_first_rank(lambda: weight_files(cfg) if cfg.model != "tiny" else [None], par.world)
     resumed_from, start_step, wandb_id = on_first_rank(lambda: resume_folder(cfg, model_config), par.world)
-    write_config(cfg, par)  # after every check that stops a run: a run refused leaves the folder as it was
+    wandb_run = open_run_dir(cfg, par, start_step, wandb_id)  # after every check: a run refused leaves it as it was
     with announce(f"loading {cfg.model} and the engine{', resuming ' + resumed_from if resumed_from else ''}", rank):
         model = build_model(model_config, par.mesh, device, cfg.activation_checkpointing)
         ref_model = build_model(model_config, par.mesh, device).requires_grad_(False) if cfg.beta > 0 else None
@@ -1024,7 +938,6 @@ def main():
             state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
             dcp.load(state, checkpoint_id=os.path.join(resumed_from, "dcp"))
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        wandb_run = open_run_dir(cfg, start_step, wandb_id) if rank == 0 else None
         # Forked before the engine and the signal handlers exist. Rank 0 shows the first failed call's traceback.
         reward_workers = reward.RewardWorkers(cfg.reward_workers, cfg.reward_timeout, show_first_error=rank == 0)
         free_gpu_cache(par.tp)  # SGLang sizes itself from the free memory it sees at start

@@ -69,7 +69,7 @@ def test_every_wait_and_object_collective_of_a_run_is_on_a_gloo_group_not_the_de
         with open(tmp_path / f"waits_rank{rank}.json") as f:
             calls = [c for c in json.load(f) if c["caller"] != "logprobs_and_entropy"]
         callers = {c["caller"] for c in calls}
-        for needed in ("write_config", "on_first_rank", "free_gpu_cache", "push_weights", "set_loss_weights",
+        for needed in ("open_run_dir", "on_first_rank", "free_gpu_cache", "push_weights", "set_loss_weights",
                        "micro_batches", "step_metrics", "evaluate", "save_checkpoint", "main"):
             assert needed in callers, (needed, callers)
         wrong = [c for c in calls if c["default"] or c["backend"] != "gloo"]

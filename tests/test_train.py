@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 import train
+from workers import run_ranks
 from demo_model import demo_config, demo_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -195,10 +197,14 @@ def test_python_train_py_runs_as_one_process_without_torchrun(tmp_path):
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
 
 
+def open_run_dir(rank, world, out_dir):
+    return train.open_run_dir(train.Config(out_dir=out_dir), train.parallel_groups("cpu", 1), 2, None)
+
+
 def test_a_metrics_line_torn_by_a_crash_does_not_block_resuming(tmp_path):
     lines = [json.dumps({"step": s, "reward": 0.5}) + "\n" for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(lines) + '{"step": 4, "rew')  # killed mid-write
-    train.open_run_dir(train.Config(out_dir=str(tmp_path)), 2, None)
+    run_ranks(open_run_dir, 1, str(tmp_path))
     assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines[:2])  # steps 3 and 4 run again
 
 
@@ -214,12 +220,14 @@ def test_a_new_task_in_two_edits_learns_from_a_jsonl_folder(tmp_path):
     copy of train.py (PromptDataset.__getitem__) and reward.py (reward_fn), and its command trains, reward rising."""
     make_data, getitem_branch, reward_branch = re.findall(r"```python\n(.*?)```", readme_section("Your own task"),
                                                           re.S)
-    for name, anchor, branch in (("train.py", '        if task == "toy":\n', getitem_branch),
-                                 ("reward.py", '    raise ValueError(f"unknown task', reward_branch)):
-        with open(os.path.join(ROOT, name)) as f:
-            source = f.read()
-        assert source.count(anchor) == 1, (name, anchor)  # the one place the README's edit goes
-        (tmp_path / name).write_text(source.replace(anchor, branch + anchor))
+    with open(os.path.join(ROOT, "reward.py")) as f:
+        source = f.read()
+    for anchor, branch in (('        if task == "toy":\n', getitem_branch),
+                           ('    raise ValueError(f"unknown task', reward_branch)):
+        assert source.count(anchor) == 1, anchor  # the one place the README's edit goes
+        source = source.replace(anchor, branch + anchor)
+    (tmp_path / "reward.py").write_text(source)
+    shutil.copy(os.path.join(ROOT, "train.py"), tmp_path)
     subprocess.run([sys.executable, "-c", make_data], cwd=tmp_path, check=True)
     [command] = [line for line in readme_section("Your own task").splitlines() if line.startswith("torchrun")]
     flags = command.split("train.py ")[1].split()
@@ -244,7 +252,7 @@ def test_an_unknown_task_stops_at_once_naming_the_flag_and_the_tasks_with_data(t
                          "--out_dir", str(tmp_path / "out"))
     out = with_data.stdout + with_data.stderr
     assert with_data.returncode != 0 and "loading" not in out and "[rank1]" not in out
-    assert out.count("--task mnist: PromptDataset.__getitem__ in train.py has no branch for it") == 1
+    assert out.count("--task mnist: PromptDataset.__getitem__ in reward.py has no branch for it") == 1
 
 
 def test_a_flag_argparse_cannot_read_is_said_once_under_torchrun(tmp_path):
@@ -252,3 +260,18 @@ def test_a_flag_argparse_cannot_read_is_said_once_under_torchrun(tmp_path):
     out = run.stdout + run.stderr
     assert run.returncode != 0 and out.count("argument --steps: invalid int value: 'ten'") == 1, out[-3000:]
     assert out.count("usage: train.py") == 1
+
+
+def test_wandb_without_an_api_key_stops_in_one_line_before_the_model_loads(tmp_path):
+    """wandb.init starts before the model loads: without a key (here no ~/.netrc, no WANDB_API_KEY, no terminal to
+    ask in) the run stops at once, saying how to log in or to log offline, and writes no config.json."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                          "train.py", "--preset", "cpu", "--wandb_project", "p", "--out_dir", str(tmp_path / "out")],
+                         cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1", HOME=str(tmp_path)), capture_output=True,
+                         text=True, timeout=300, stdin=subprocess.DEVNULL)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and "loading" not in out, out[-3000:]
+    assert out.count("--wandb_project p: No API key configured. Use `wandb login` to log in. (log offline with "
+                     "WANDB_MODE=offline)") == 1, out[-3000:]
+    assert not os.path.exists(tmp_path / "out" / "config.json")
