@@ -14,7 +14,6 @@ import pathlib
 import shutil
 import signal
 import socket
-import textwrap
 import threading
 import time
 import types
@@ -24,15 +23,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from huggingface_hub import snapshot_download
-from safetensors.torch import load_file, safe_open
+from safetensors.torch import load_file, safe_open, save_file
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Qwen2Config
@@ -86,6 +85,8 @@ class Config:
     max_tokens_per_microbatch: int = 0  # > 0: length-sorted micro-batches of at most this many tokens, padding included
     tp: int = 1  # tensor-parallel size; dp = world size / tp
     activation_checkpointing: bool = False
+    lora_rank: int = 0  # > 0: LoRA of this rank on every linear layer of the blocks, the rest frozen (README: LoRA)
+    lora_alpha: float = 32.0  # LoRA's update is scaled by alpha / rank (32: as "LoRA Without Regret")
     eval_every: int = 50  # evaluate on the held-out split every N steps and at the end; 0: never
     eval_prompts: int = 256  # held-out prompts per evaluation
     eval_k: int = 4  # samples per prompt for mean@k and pass@k
@@ -98,7 +99,7 @@ class Config:
     seed: int = 0
     out_dir: str = "runs/grpo"  # config.json, metrics.jsonl, checkpoints/ (layout in README)
     wandb_project: str = ""  # log to wandb too when set (WANDB_MODE=offline needs no network)
-    sample_every: int = 10  # print a sampled prompt, completion and reward every N steps (and log them); 0: never
+    sample_every: int = 10  # print a sampled prompt, completion and reward every N steps; 0: never
     tool: Literal["", "python"] = ""  # python: responses may run ```python blocks (README: the Python tool)
     max_turns: int = 4  # with --tool: generation turns per response, each but the last may end in a block that is run
 
@@ -113,10 +114,7 @@ def parse_config(argv=None):
     quiet = os.environ.get("RANK", "0") != "0"  # argparse's errors (usage and message, to stderr) once: rank 0's
     with contextlib.redirect_stderr(open(os.devnull, "w")) if quiet else contextlib.nullcontext():
         parser.set_defaults(**PRESETS.get(parser.parse_known_args(argv)[0].preset, {}))
-        cfg, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
-    if unknown:
-        raise SystemExit(f"unknown flags {unknown}: every flag is a field of Config in train.py")
-    return cfg
+        return Config(**vars(parser.parse_args(argv)))  # an unknown flag: argparse's one line, and its usage
 
 
 def check_config(cfg, world):
@@ -125,7 +123,8 @@ def check_config(cfg, world):
                    eval_k=1, logprob_chunk=1, reward_workers=1, beta=0, entropy_coef=0, tis_cap=0, overlong_buffer=0,
                    dynamic_sampling_rounds=0, max_tokens_per_microbatch=0, eval_every=0, save_every=0, lr=0, steps=1,
                    keep_checkpoints=1, sample_every=0, reward_timeout=0.001, max_turns=1, eval_prompts=1, bucket_mb=1,
-                   temperature=0, eval_temperature=0, clip_low=0, clip_high=0, weight_decay=0, max_grad_norm=0)
+                   temperature=0, eval_temperature=0, clip_low=0, clip_high=0, weight_decay=0, max_grad_norm=0,
+                   lora_rank=0)
     for flag, low in minimum.items():
         if not low <= getattr(cfg, flag) < math.inf:  # NaN too
             raise SystemExit(f"--{flag} must be a number from {low} up, not {getattr(cfg, flag)}")
@@ -138,6 +137,7 @@ def check_config(cfg, world):
             (cfg.kl_in_reward and cfg.beta == 0, "--kl_in_reward needs --beta above 0: beta scales the KL penalty"),
             (cfg.temperature == 0, "--temperature must be above 0: greedy samples are all alike, nothing to learn"),
             (not 0 < cfg.top_p <= 1, f"--top_p must be above 0 and at most 1, not {cfg.top_p}"),
+            (not 0 < cfg.lora_alpha < math.inf, f"--lora_alpha must be above 0, not {cfg.lora_alpha}"),
             (not 0 < cfg.mem_fraction < 1, f"--mem_fraction is a share: above 0, below 1, not {cfg.mem_fraction}"),
             (os.path.realpath(cfg.out_dir) == os.path.realpath(cfg.model), "--out_dir must differ from --model"),
             (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
@@ -162,6 +162,7 @@ def load_tokenizer_and_config(cfg, items):
         config = Qwen2Config(vocab_size=len(tokenizer), eos_token_id=reward.stop_token_ids(tokenizer), pad_token_id=0,
                              hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+                             initializer_range=0.2 if cfg.lora_rank else 0.02,  # frozen by LoRA: wide enough to learn
                              architectures=["Qwen2ForCausalLM"])  # SGLang reads architectures
     else:
         try:
@@ -205,6 +206,7 @@ class Sample:
     ref_logprobs: torch.Tensor | None = None  # the reference model's (--beta > 0)
 
 
+KL_ESTIMATORS = {"k1": lambda x: x, "k2": lambda x: x ** 2 / 2, "k3": lambda x: torch.expm1(-x) + x}
 # q/k/v and gate/up split their output features over tp, o and down their input: one all-reduce per block each way.
 TP_PLAN = {**{f"self_attn.{x}_proj": ColwiseParallel() for x in "qkv"}, "self_attn.o_proj": RowwiseParallel(),
            **{f"mlp.{x}_proj": ColwiseParallel() for x in ("gate", "up")}, "mlp.down_proj": RowwiseParallel()}
@@ -212,10 +214,11 @@ TP_PLAN = {**{f"self_attn.{x}_proj": ColwiseParallel() for x in "qkv"}, "self_at
 QK_NORM_PLAN = {f"self_attn.{x}_norm": SequenceParallel(sequence_dim=2, use_local_output=True) for x in "qk"}
 
 
-def build_model(model_config, mesh, device, activation_checkpointing=False):
-    """On meta: TP in each decoder layer, activation checkpointing, FSDP per layer and root; load_weights fills it."""
+def build_model(model_config, mesh, device, activation_checkpointing=False, lora_rank=0, lora_alpha=32.0):
+    """On meta: TP in each decoder layer, LoRA, activation checkpointing, FSDP per layer and root; load_weights then."""
+    dtype = torch.bfloat16 if lora_rank and mesh.device_type == "cuda" else torch.float32  # LoRA's frozen base: bf16
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     tp = mesh["tp"].size()
     for heads in ("num_attention_heads", "num_key_value_heads"):  # each rank computes whole heads
         if getattr(model.config, heads) % tp:
@@ -224,6 +227,7 @@ def build_model(model_config, mesh, device, activation_checkpointing=False):
         for layer in model.model.layers:
             qk_norm = QK_NORM_PLAN if hasattr(layer.self_attn, "q_norm") else {}
             parallelize_module(layer, mesh["tp"], {**TP_PLAN, **qk_norm})
+    add_lora(model, lora_rank, lora_alpha, mesh["tp"])
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     param_dtype = torch.bfloat16 if mesh.device_type == "cuda" else None  # GPU: bf16 compute, fp32 master weights
@@ -235,6 +239,23 @@ def build_model(model_config, mesh, device, activation_checkpointing=False):
     with torch.device(device):  # rotary frequencies are a non-persistent buffer: rebuild it off the meta device
         model.model.rotary_emb = type(model.model.rotary_emb)(model_config)
     return model
+
+
+def add_lora(model, rank, alpha, tp_mesh):
+    """Rank > 0: LoRA on the blocks' linear layers, all else frozen. Hooks add x A^T B^T x model.lora_scale (A [R, in],
+    B [out, R]) before TP's: B split as a column-parallel output, A as a row-parallel input: no collective is added."""
+    model.lora_scale = alpha / rank if rank else 0.0  # 0: the base alone, as the reference of --beta takes it
+    model.requires_grad_(rank == 0)
+    for layer in model.model.layers if rank else []:
+        for name, style in TP_PLAN.items():
+            linear = layer.get_submodule(name)
+            linear.lora_A = torch.nn.Linear(linear.in_features, rank, bias=False, device="meta")  # PEFT's names
+            linear.lora_B = torch.nn.Linear(rank, linear.out_features, bias=False, device="meta")
+            splits = (Shard(1), Replicate()) if isinstance(style, RowwiseParallel) else (Replicate(), Shard(0))
+            for adapter, split in zip((linear.lora_A, linear.lora_B), splits if tp_mesh.size() > 1 else ()):
+                adapter.weight = torch.nn.Parameter(distribute_tensor(adapter.weight, tp_mesh, [split]))
+            linear.register_forward_hook(
+                lambda module, args, out: out + module.lora_B(module.lora_A(args[0])) * model.lora_scale, prepend=True)
 
 
 def weight_files(cfg):
@@ -256,8 +277,10 @@ def load_weights(models, files, cfg, model_config, world):
     torch.manual_seed(cfg.seed)  # --model tiny: one part (None), random weights seeded with --seed
     for part in files:
         state = {}
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0:  # with the first part, LoRA's adapters: A uniform within 1 / sqrt(in) as PEFT's, B 0
             state = load_file(part) if part else AutoModelForCausalLM.from_config(model_config).state_dict()
+            state |= {name: (torch.rand(p.shape) * 2 - 1) / p.shape[1] ** 0.5 * ("lora_A" in name)
+                      for name, p in models[0].named_parameters() if ".lora_" in name and part == files[0]}
         loaded |= state.keys()
         for model in models:  # a shallow copy: set_model_state_dict replaces the dict's entries with their shards
             set_model_state_dict(model, dict(state), options=options)
@@ -292,25 +315,20 @@ def on_first_rank(work, group):
 
 
 class Engine:
-    """Held by each rank of a TP group, run by its first (the owner). generate(prompts, budgets, temperature, top_p,
-    stop_ids, seed): per prompt, sampled ids (stop included), log-probs of logits / T. update(bucket, group): a push.
-    No-ops here: release_memory() after the rollouts, begin_update() before a push's first bucket, end_update() after
-    its last (the trainer's cache freed: memory back, no old weights cached), shutdown() at exit."""
+    """Run by the first rank of a TP group (the owner). generate(prompts, budgets, temperature, top_p, stop_ids, seed):
+    per prompt, sampled ids (stop included), log-probs of logits / T. No-ops here (an HF engine's other ranks hold
+    one): update(bucket, group), a push's; begin_update() / end_update() around it; release_memory(); shutdown()."""
     push_dtype = torch.float32  # of the pushed tensors
-    release_memory = begin_update = end_update = shutdown = lambda self: None
+    release_memory = begin_update = update = end_update = shutdown = lambda self, *args: None
 
 
 class HFEngine(Engine):
-    """HF generate on an unsharded fp32 copy of the policy; the push hands it each bucket as a state dict."""
+    """HF generate on the owner's unsharded fp32 copy of the policy; the push hands it each bucket as a state dict."""
     batch_bytes = 1 << 30  # generate keeps every step's fp32 logits [prompts, T, V]: this much at most, then batches
-    def __init__(self, model_config, device, owner):
-        self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).to(device).eval() if owner \
-            else None
-
+    def __init__(self, model_config, device):
+        self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).to(device).eval()
     def update(self, bucket, group):
-        if self.model:
-            self.model.load_state_dict(dict(bucket), strict=False)  # check_pushed_names vouches for the names
-
+        self.model.load_state_dict(dict(bucket), strict=False)  # check_pushed_names vouches for the names
     def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):  # HF's generate runs without grad
         n = max(1, self.batch_bytes // (max(budgets) * self.model.config.vocab_size * 4))
         if len(prompts) > n:  # in batches of n prompts, each seeded afresh
@@ -347,39 +365,32 @@ class SGLangEngine(Engine):
             dist.barrier(group=world)
         if not owner:
             return
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # or its schedulers hang joining torchrun's store
-        # Its GPUs' free memory may differ >10%: safe, as the KV cache fits the least, yet SGLang's check would refuse.
-        os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "false"
+        os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False",  # or its schedulers hang joining torchrun's store
+                          SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK="false")  # GPUs >10% apart in free memory: safe
         config_dir = os.path.join(cfg.out_dir, f"engine_model_rank{dist.get_rank()}")  # read from disk by SGLang
         model_config.save_pretrained(config_dir)
         # The engine's processes inherit ignored SIGINT / SIGTERM: torchrun's signals are the trainer's to act on.
         handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-        # Logits in fp32 from bf16 inputs, as the trainer's: a field of sglang 0.5.3 and newer.
-        fp32_lm_head = {"enable_fp32_lm_head": True} if hasattr(sglang.ServerArgs, "enable_fp32_lm_head") else {}
-        self.engine = sglang.Engine(
+        self.engine = sglang.Engine(  # logits in fp32 from bf16 inputs, as the trainer's (sglang 0.5.3 and newer)
             model_path=config_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", tp_size=cfg.tp,
             dp_size=1, base_gpu_id=base_gpu_id, nccl_port=nccl_port, random_seed=cfg.seed + dist.get_rank(),
-            enable_memory_saver=True, mem_fraction_static=cfg.mem_fraction, log_level="error", **fp32_lm_head)
+            enable_memory_saver=True, mem_fraction_static=cfg.mem_fraction, log_level="error", enable_fp32_lm_head=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         # The first request starts SGLang's event loop, which installs its own SIGTERM handler: the trainer's wins.
         self.engine.generate(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
-
     def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):  # seeded at start, by --seed
         outputs = self.engine.generate(input_ids=prompts, return_logprob=True, sampling_params=[
             dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_ids, max_new_tokens=n) for n in budgets])
         return [(out["output_ids"], torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]))
                 for out in outputs]
-
     def release_memory(self):
         if self.engine:
             self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
-
     def begin_update(self):
         if self.engine:
             self.engine.resume_memory_occupation(tags=["weights"])  # freed, not kept: every weight is pushed
             getattr(self.engine, "begin_weight_update", lambda: None)()  # sglang >= 0.5.21: updates need a session
-
     def update(self, bucket, group):  # each rank's own copy: engine TP rank i reads trainer rank i's GPU, its own
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
@@ -392,13 +403,11 @@ class SGLangEngine(Engine):
             result = self.engine.update_weights_from_tensor(ranks, load_format="flattened_bucket", flush_cache=False)
             if not result[0]:
                 raise RuntimeError(f"SGLang weight update failed: {result[1]}")
-
     def end_update(self):
         if self.engine:
             getattr(self.engine, "end_weight_update", lambda: None)()
             self.engine.flush_cache()  # cached prefixes were computed with the old weights
             self.engine.resume_memory_occupation(tags=["kv_cache"])
-
     def shutdown(self):
         if self.engine:
             self.engine.shutdown()  # and its scheduler processes
@@ -419,7 +428,7 @@ def check_pushed_names(model, model_config):
         raise SystemExit(f"`architectures` in --model's config.json is {architecture!r}: no class of transformers")
     with torch.device("meta"):
         expected = {n: list(p.shape) for n, p in getattr(transformers, architecture)(model_config).named_parameters()}
-    pushed = {name: list(param.shape) for name, param in model.named_parameters()}
+    pushed = {name: list(param.shape) for name, param in model.named_parameters() if ".lora_" not in name}
     for name in [*pushed, *sorted(expected.keys() - pushed.keys())]:  # the model's order, then what it lacks
         if pushed.get(name) != expected.get(name):
             raise SystemExit(f"the trainer pushes {name} as {pushed.get(name)}, the engine's {architecture} has it as "
@@ -427,11 +436,16 @@ def check_pushed_names(model, model_config):
 
 
 def weight_buckets(model, bucket_bytes, dtype):
-    """Full HF-named tensors of `dtype` (each shard cast before its gather) in ~bucket_bytes buckets; on every rank."""
+    """Full HF-named `dtype` tensors (shards cast, then gathered; LoRA's W + alpha / R B A) in ~bucket_bytes buckets."""
     bucket = []
     for name, param in model.named_parameters():
-        shard = param.detach().to(dtype)
-        bucket.append((name, shard.full_tensor() if isinstance(shard, DTensor) else shard))
+        if ".lora_" in name:
+            continue
+        full = param.detach().to(dtype).full_tensor()
+        if name.endswith(".weight") and hasattr(linear := model.get_submodule(name[:-7]), "lora_A"):  # not a bias
+            b, a = (adapter.weight.detach().float().full_tensor() for adapter in (linear.lora_B, linear.lora_A))
+            full = full + (model.lora_scale * b @ a).to(dtype)
+        bucket.append((name, full))
         if sum(full.nbytes for _, full in bucket) >= bucket_bytes:
             yield bucket
             bucket = []
@@ -451,8 +465,9 @@ def push_weights(model, engine, cfg, par):
     engine.end_update()
 
 
-def generate_rollouts(engine, workers, tokenizer, items, cfg, seed, temperature):
-    """On the engine's rank: a sample per item, scored (and why failed calls failed); --tool: turns, one budget."""
+def generate_rollouts(engine, workers, tokenizer, items, cfg, seed, temperature, n=1):
+    """On the engine's rank: n samples per item, scored (and why failed calls failed); --tool: turns, one budget."""
+    items = [item for item in items for _ in range(n)]
     stop_ids, fence_ids = reward.stop_token_ids(tokenizer), reward.fence_token_ids(tokenizer) if cfg.tool else []
     samples = running = [Sample(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items]
     while running := [s for s in running if len(s.response_ids) < cfg.max_new_tokens]:
@@ -475,14 +490,12 @@ def collect_rollouts(engine, workers, dataset, tokenizer, cfg, step, par):
     kept, dropped, errors = [], [], []
     for sampling_round in range(cfg.dynamic_sampling_rounds + 1):
         items = step_items(dataset, step, cfg, dp_rank, dp, sampling_round)
-        repeated = [item for item in items for _ in range(cfg.group_size)]
         seed = hash((cfg.seed, step, sampling_round, dp_rank))
-        samples, failed = on_first_rank(  # on the engine's rank, sent to its TP group
-            lambda: generate_rollouts(engine, workers, tokenizer, repeated, cfg, seed, cfg.temperature), par.tp)
+        samples, failed = on_first_rank(lambda: generate_rollouts(  # on the engine's rank, sent to its TP group
+            engine, workers, tokenizer, items, cfg, seed, cfg.temperature, cfg.group_size), par.tp)
         errors += failed
         for group in (samples[i:i + cfg.group_size] for i in range(0, len(samples), cfg.group_size)):
-            no_signal = len({s.score for s in group}) == 1  # as DAPO: on reward_fn's score, not the shaping
-            (dropped if no_signal and cfg.dynamic_sampling_rounds else kept).append(group)
+            (dropped if cfg.dynamic_sampling_rounds and len({s.score for s in group}) == 1 else kept).append(group)
         if len(kept) >= len(items):
             break
     filled = dropped[:max(0, len(items) - len(kept))]
@@ -507,8 +520,8 @@ def set_advantages(samples, cfg):
 
 
 class FP32Logits(torch.autograd.Function):
-    """hidden @ w.T [C, V / tp] in fp32 from bf16 inputs, as SGLang's fp32 LM head (bf16 logits lose ~0.01 nats). CUDA's
-    torch.mm(out_dtype=) has no derivative: backward takes bf16 products, as autograd's for a bf16 matmul."""
+    """hidden @ w.T [C, V / tp] in fp32 from bf16 inputs, as SGLang's fp32 LM head (bf16 logits lose ~0.01 nats).
+    CUDA's torch.mm(out_dtype=) has no derivative: backward takes bf16 products, as autograd's for a bf16 matmul."""
     @staticmethod
     def forward(ctx, hidden, w):
         ctx.save_for_backward(hidden, w)  # CPU torch lacks mm's out_dtype: an upcast there
@@ -516,7 +529,7 @@ class FP32Logits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         hidden, w = ctx.saved_tensors
-        return grad.to(hidden.dtype) @ w, grad.T.to(hidden.dtype) @ hidden
+        return grad.to(hidden.dtype) @ w, grad.T.to(hidden.dtype) @ hidden if ctx.needs_input_grad[1] else None
 
 
 def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
@@ -556,10 +569,6 @@ def response_logprobs(model, samples, cfg, tp_mesh):
     logp, entropy = zip(*[compute(hidden[i:i + cfg.logprob_chunk], weight, targets[i:i + cfg.logprob_chunk],
                                   cfg.temperature, tp_mesh) for i in chunks])
     return torch.cat(logp), torch.cat(entropy)
-
-
-# KL(policy || reference) per sampled token from x = log p - log p_ref (Schulman 2020); GRPO uses k3.
-KL_ESTIMATORS = {"k1": lambda x: x, "k2": lambda x: x ** 2 / 2, "k3": lambda x: torch.expm1(-x) + x}
 
 
 def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy=None, is_weights=None, lengths=None):
@@ -618,19 +627,6 @@ def set_loss_weights(samples, cfg, dp_group):
             s.loss_weight = dp / (max(tokens, 1) if cfg.loss_agg == "token" else cfg.max_new_tokens * sequences)
 
 
-def clip_grad_norm(model, max_norm):
-    """Global grad norm, clipped to max_norm if finite; a norm per mesh (clip_grad_norm_ can't mix dp and (dp, tp))."""
-    by_mesh = defaultdict(list)
-    for grad in [param.grad for param in model.parameters() if param.grad is not None]:
-        by_mesh[getattr(grad, "device_mesh", None)].append(grad)
-    norms = [torch.nn.utils.get_total_norm(grads) for grads in by_mesh.values()]
-    total = math.sqrt(sum((n.full_tensor() if isinstance(n, DTensor) else n).item() ** 2 for n in norms))
-    if math.isfinite(total) and max_norm > 0 and total > max_norm:
-        for grads in by_mesh.values():
-            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
-    return total
-
-
 def micro_batches(samples, cfg, group):
     """--micro_batch_size each, or packed to --max_tokens_per_microbatch; equal count on all ranks (collectives)."""
     if cfg.max_tokens_per_microbatch == 0:
@@ -680,7 +676,13 @@ def train_on_rollouts(model, optimizer, samples, cfg, par):
             loss.backward()
             for key, value in {**stats, **mismatch}.items():
                 sums["token"][key] += value
-        grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
+        by_mesh = defaultdict(list)  # the global grad norm, a norm per mesh: clip_grad_norm_ can't mix dp and (dp, tp)
+        for grad in [param.grad for param in model.parameters() if param.grad is not None]:
+            by_mesh[grad.device_mesh].append(grad)
+        grad_norm = math.sqrt(sum(torch.nn.utils.get_total_norm(g).full_tensor().item() ** 2 for g in by_mesh.values()))
+        if math.isfinite(grad_norm) and 0 < cfg.max_grad_norm < grad_norm:  # clipped
+            for grads in by_mesh.values():
+                torch._foreach_mul_(grads, cfg.max_grad_norm / (grad_norm + 1e-6))
         if math.isfinite(grad_norm):  # a step with a non-finite norm is skipped, and counted
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -719,11 +721,10 @@ def step_metrics(samples, sums, errors, dropped, par):
 
 
 def open_run_dir(cfg, par, start_step, wandb_id):
-    """Before the model loads, rank 0 prints the config, starts wandb, writes out_dir/config.json with a new run_id
-    (every rank must read it) and cuts metrics.jsonl back to start_step. Returns rank 0's wandb run, or None."""
+    """Rank 0 prints the config, starts wandb (returned), writes config.json, its run_id seen by all, trims metrics."""
     wandb_run = []
     def write():
-        print(textwrap.fill(" ".join(f"{k}={v}" for k, v in asdict(cfg).items()), 120), flush=True)
+        print(" ".join(f"{k}={v}" for k, v in asdict(cfg).items()), flush=True)
         config = dict(asdict(cfg), run_id=os.urandom(8).hex())  # new: a folder that only one node sees lacks it
         try:
             os.makedirs(cfg.out_dir, exist_ok=True)
@@ -752,7 +753,7 @@ def open_run_dir(cfg, par, start_step, wandb_id):
 
 
 def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
-    """A console line, a metrics.jsonl line and wandb; every --sample_every steps, a sample too (and a wandb table)."""
+    """A console line, a metrics.jsonl line and wandb; every --sample_every steps, a sample too."""
     line = ("step {step}/{steps} | reward {reward:.3f} acc {accuracy:.2f} | len {response_len:.0f} | ent {entropy:.2f}"
             " kl {kl:.4f} | {time_step:.1f}s (gen {time_rollout:.1f} train {time_train:.1f} push {time_push:.1f})"
             " | eta {eta}").format(step=step + 1, steps=cfg.steps, **metrics,
@@ -765,12 +766,8 @@ def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": step + 1, **finite}) + "\n")
     if cfg.sample_every > 0 and (step + 1) % cfg.sample_every == 0:
-        row = dict(step=step + 1, prompt=tokenizer.decode(sample.prompt_ids),
-                   completion=tokenizer.decode(sample.response_ids), reward=sample.reward)
-        print(f"  sample (reward {sample.reward:.3f}):\n{row['prompt']}{row['completion']}", flush=True)
-        if wandb_run is not None:
-            import wandb
-            metrics = dict(metrics, sample=wandb.Table(columns=list(row), data=[list(row.values())]))
+        text = tokenizer.decode(sample.prompt_ids) + tokenizer.decode(sample.response_ids)  # wandb keeps the console
+        print(f"  sample (reward {sample.reward:.3f}):\n{text}", flush=True)
     if wandb_run is not None:
         wandb_run.log(metrics, step=step + 1)
 
@@ -780,13 +777,11 @@ def evaluate(engine, tokenizer, test_set, workers, cfg, par):
     dp_rank, dp = par.mesh["dp"].get_local_rank(), par.mesh["dp"].size()
     items = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
     def solved(n, temperature):  # [len(items), n]: reward 1.0; a rank without items (more ranks than prompts): [0, n]
-        repeated = [item for item in items for _ in range(n)]
         samples, _ = on_first_rank(
-            lambda: generate_rollouts(engine, workers, tokenizer, repeated, cfg, cfg.seed, temperature), par.tp)
+            lambda: generate_rollouts(engine, workers, tokenizer, items, cfg, cfg.seed, temperature, n), par.tp)
         return torch.tensor([s.score for s in samples]).view(-1, n) >= 1
     sampled = solved(cfg.eval_k, cfg.eval_temperature)
-    sums = torch.tensor([solved(1, 0.0).sum(), sampled.float().mean(1).sum(), sampled.any(1).sum(), len(items)],
-                        dtype=torch.float64)
+    sums = torch.tensor([solved(1, 0.0).sum(), sampled.float().mean(1).sum(), sampled.any(1).sum(), len(items)])
     dist.all_reduce(sums, group=par.world)
     greedy, mean_at_k, pass_at_k, n = (sums / par.mesh["tp"].size()).tolist()  # n >= 1: --eval_prompts >= 1
     return {"eval_greedy_acc": greedy / n, f"eval_mean@{cfg.eval_k}": mean_at_k / n,
@@ -802,11 +797,19 @@ def save_checkpoint(cfg, step, model, optimizer, tokenizer, wandb_id, world):
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         dist.barrier(group=world)
-        dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=f"{tmp}/dcp")
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        trained = {name: param for name, param in model.named_parameters() if param.requires_grad}  # LoRA: adapters
+        dcp.save({"model": trained, "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=f"{tmp}/dcp")
+        full = {name: t.cpu() for bucket in weight_buckets(model, 0, torch.float32) for name, t in bucket if rank == 0}
+        adapters = {f"base_model.model.{n}": p.detach().full_tensor().cpu() for n, p in trained.items() if "lora" in n}
         if rank == 0:  # config and safetensors files of 5 GB at most, which load_weights streams one at a time
             model.save_pretrained(os.path.join(tmp, "hf"), state_dict=full, max_shard_size="5GB")
             tokenizer.save_pretrained(os.path.join(tmp, "hf"))
+            if adapters:  # PEFT's layout: peft.PeftModel.from_pretrained(base model, "adapter") loads it
+                os.makedirs(os.path.join(tmp, "adapter"))
+                save_file(adapters, os.path.join(tmp, "adapter", "adapter_model.safetensors"))
+                pathlib.Path(tmp, "adapter", "adapter_config.json").write_text(json.dumps(dict(
+                    peft_type="LORA", task_type="CAUSAL_LM", r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                    target_modules=[name.split(".")[-1] for name in TP_PLAN], base_model_name_or_path=cfg.model)))
             for file in pathlib.Path(tmp, "hf").iterdir():
                 os.chmod(file, 0o644)  # transformers writes the weights 0600; readable like the rest
             files = {str(f.relative_to(tmp)): f.stat().st_size for f in pathlib.Path(tmp).rglob("*") if f.is_file()}
@@ -853,34 +856,22 @@ def resume_folder(cfg, model_config):
     if path and (why := damage(path)):
         raise SystemExit(f"--resume {path}: not a whole checkpoint ({why}): --resume auto takes the newest whole one")
     state = json.loads(pathlib.Path(path, "trainer_state.json").read_text()) if path else {"step": 0, "wandb_id": None}
+    if path and (saved_rank := state.get("config", {}).get("lora_rank", 0)) != cfg.lora_rank:  # other parameters
+        raise SystemExit(f"--resume {path} was trained with --lora_rank {saved_rank}: resume with that --lora_rank")
     if path and state["step"] >= cfg.steps:
         raise SystemExit(f"--resume {path} is at step {state['step']}, --steps {cfg.steps}: raise --steps to go on")
     if later := [folder for folder in found if int(folder[-6:]) > state["step"]]:  # its saves would collide, or mix
         raise SystemExit(f"--out_dir {cfg.out_dir} holds checkpoints after step {state['step']} ({later[-1]}): "
                          "--resume auto continues the newest; else delete them, or use another --out_dir")
     saved = AutoConfig.from_pretrained(os.path.join(path, "hf")) if path else model_config
-    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
-        if getattr(saved, key, None) != getattr(model_config, key, None):
-            raise SystemExit(f"--resume {path}: a checkpoint of another model ({key} {getattr(saved, key, None)}, "
-                             f"--model's {getattr(model_config, key, None)}): pass the --model it was trained from")
+    keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    if differ := [key for key in keys if getattr(saved, key, None) != getattr(model_config, key, None)]:
+        raise SystemExit(f"--resume {path}: a checkpoint of another model (its {differ} differ): pass its --model")
     changed = [f"--{key} {value} -> {getattr(cfg, key)}" for key, value in state.get("config", {}).items()
                if key != "resume" and value != getattr(cfg, key, value)]
     if changed:
         print(f"resuming {path} with flags changed since it was saved: {', '.join(changed)}", flush=True)
     return path, state["step"], state["wandb_id"]
-
-
-def stop_on_signal(rank):
-    """SIGTERM or Ctrl-C: finish the step, save, exit; a second Ctrl-C exits at once (README: stopping a run)."""
-    requested = threading.Event()
-    def handler(signum, frame):
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C raises KeyboardInterrupt
-        if rank == 0 and not requested.is_set():
-            print(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint", flush=True)
-        requested.set()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
-    return requested
 
 
 @contextlib.contextmanager
@@ -899,8 +890,7 @@ def shut_down(engine, reward_workers, wandb_run):
         reward_workers.close()
         if wandb_run is not None:
             import wandb
-            wandb_run.finish()
-            wandb.teardown()  # and its service process
+            wandb.teardown()  # finishes the run, and ends its service process
     finally:
         engine.shutdown()  # and its scheduler processes
 
@@ -915,9 +905,8 @@ def main():
     store = None if "MASTER_ADDR" in os.environ else dist.HashStore()  # `python train.py`: one process, no torchrun
     dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=rank, world_size=world, store=store,
                             timeout=datetime.timedelta(hours=1), device_id=device if cuda else None)  # covers a start
-    # Harmless notices of every run: no output of the model is changed in place; TP redistributes a few small tensors.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # none changed in place
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # TP's few small tensors
     transformers.utils.logging.disable_progress_bar()
     check_config(cfg, world)  # from here: everything that can be checked before a model is built
     par = parallel_groups(device.type, cfg.tp)
@@ -928,23 +917,32 @@ def main():
     resumed_from, start_step, wandb_id = on_first_rank(lambda: resume_folder(cfg, model_config), par.world)
     wandb_run = open_run_dir(cfg, par, start_step, wandb_id)  # after every check: a run refused leaves it as it was
     with announce(f"loading {cfg.model} and the engine{', resuming ' + resumed_from if resumed_from else ''}", rank):
-        model = build_model(model_config, par.mesh, device, cfg.activation_checkpointing)
-        ref_model = build_model(model_config, par.mesh, device).requires_grad_(False) if cfg.beta > 0 else None
+        model = build_model(model_config, par.mesh, device, cfg.activation_checkpointing, cfg.lora_rank, cfg.lora_alpha)
+        ref_model = build_model(model_config, par.mesh, device).requires_grad_(False) \
+            if cfg.beta > 0 and not cfg.lora_rank else None  # LoRA's reference: the base, its adapters off
         load_weights([model, ref_model] if ref_model else [model], files, cfg, model_config, par.world)
         check_pushed_names(model, model_config)
         # Before any forward: FSDP2 then leaves root parameters unsharded, and an optimizer would hold stale tensors.
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # frozen: no state
         if resumed_from:  # the model and optimizer as save_checkpoint wrote them
-            state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
-            dcp.load(state, checkpoint_id=os.path.join(resumed_from, "dcp"))
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            trained = {name: param for name, param in model.named_parameters() if param.requires_grad}
+            state = {"model": trained, "optim": get_optimizer_state_dict(model, optimizer)}
+            dcp.load(state, checkpoint_id=os.path.join(resumed_from, "dcp"))  # the parameters in place
+            set_optimizer_state_dict(model, optimizer, state["optim"])
         # Forked before the engine and the signal handlers exist. Rank 0 shows the first failed call's traceback.
         reward_workers = reward.RewardWorkers(cfg.reward_workers, cfg.reward_timeout, show_first_error=rank == 0)
         free_gpu_cache(par.tp)  # SGLang sizes itself from the free memory it sees at start
         owner = par.mesh["tp"].get_local_rank() == 0  # one engine per TP group, run by the group's first rank
-        engine = HFEngine(model_config, device, owner) if cfg.engine == "hf" else \
-            SGLangEngine(cfg, model_config, owner, par.world)
-    stop = stop_on_signal(rank)
+        engine = SGLangEngine(cfg, model_config, owner, par.world) if cfg.engine == "sglang" else \
+            HFEngine(model_config, device) if owner else Engine()
+    stop = threading.Event()  # set by SIGTERM or Ctrl-C: finish the step, save, exit (README: stopping a run)
+    def request_stop(signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C raises KeyboardInterrupt
+        if rank == 0 and not stop.is_set():
+            print(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint", flush=True)
+        stop.set()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, request_stop)
     try:
         engine.release_memory()  # the first push, as every other, finds the engine's memory released
         push_weights(model, engine, cfg, par)
@@ -954,11 +952,13 @@ def main():
             samples, errors, dropped = collect_rollouts(engine, reward_workers, train_set, tokenizer, cfg, step, par)
             engine.release_memory()
             rollout_done = time.perf_counter()
-            first_stored = 0 if cfg.kl_in_reward else len(samples) // cfg.num_minibatches  # the first is on-policy
-            store_logprobs(model, samples[first_stored:], "old_logprobs", cfg, par)
-            if ref_model is not None:
-                store_logprobs(ref_model, samples, "ref_logprobs", cfg, par)
-                ref_model.reshard()  # FSDP keeps root parameters whole after a forward that has no backward
+            on_policy = 0 if cfg.kl_in_reward else len(samples) // cfg.num_minibatches  # the first mini-batch's: live
+            store_logprobs(model, samples[on_policy:], "old_logprobs", cfg, par)
+            if cfg.beta > 0:  # the reference: the initial policy, or with LoRA the base (adapters scaled by 0)
+                lora_scale, model.lora_scale = model.lora_scale, 0.0
+                store_logprobs(ref_model or model, samples, "ref_logprobs", cfg, par)
+                model.lora_scale = lora_scale
+                (ref_model or model).reshard()  # FSDP keeps root parameters whole after a forward that has no backward
             set_advantages(samples, cfg)  # within each group of G
             for group in optimizer.param_groups:  # the flags', not a checkpoint's; lr a function of the step
                 group.update(lr=cfg.lr * lr_factor(step, cfg), weight_decay=cfg.weight_decay)

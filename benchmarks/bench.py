@@ -133,7 +133,7 @@ def stages(rank, world, folder):
     config = AutoConfig.from_pretrained(folder)
     cfg = train.Config(model=folder, group_size=4, max_new_tokens=64, micro_batch_size=8, logprob_chunk=512)
     (model, engine), t_load, m_load = measure(lambda: (
-        train.build_model(config, par.mesh, torch.device("cpu")), train.HFEngine(config, torch.device("cpu"), True)))
+        train.build_model(config, par.mesh, torch.device("cpu")), train.HFEngine(config, torch.device("cpu"))))
     train.load_weights([model], train.weight_files(cfg), cfg, config, par.world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     push_cfg = train.Config(engine="hf", bucket_mb=64)

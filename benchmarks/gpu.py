@@ -184,7 +184,7 @@ def start_engine(cfg, model_config, par, device, fp32_lm_head=True):
     """train.py's engine for cfg.engine; fp32_lm_head=False starts SGLang with enable_fp32_lm_head off. Returns
     (engine, whether its LM head makes fp32 logits)."""
     if cfg.engine == "hf":
-        return train.HFEngine(model_config, device, owner=True), True  # an fp32 model
+        return train.HFEngine(model_config, device), True  # an fp32 model
     import sglang
     from sglang.srt.server_args import ServerArgs
     has_field = "enable_fp32_lm_head" in inspect.signature(ServerArgs).parameters

@@ -41,7 +41,7 @@ def main():
     train.load_weights([model], train.weight_files(cfg), cfg, config, par.world)
     workers = reward.RewardWorkers(8, timeout=5.0)
     engine = (train.SGLangEngine(cfg, config, True, par.world) if args.engine == "sglang"
-              else train.HFEngine(config, device, True))
+              else train.HFEngine(config, device))
     try:
         engine.release_memory()  # as main(): a push finds the engine's memory released
         train.push_weights(model, engine, cfg, par)

@@ -20,7 +20,7 @@ def tiny_engine(seed=0):
     config = tiny_config("qwen2", False)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    engine = train.HFEngine(config, torch.device("cpu"), owner=True)
+    engine = train.HFEngine(config, torch.device("cpu"))
     engine.update(list(model.named_parameters()), None)  # HFEngine loads the bucket itself: no group needed
     return engine, model
 
@@ -102,7 +102,7 @@ def push_then_generate(rank, world, folder, dp, tp):
     par = train.parallel_groups("cpu", tp)
     model = sharded_model(folder, par)
     owner = par.mesh["tp"].get_local_rank() == 0
-    engine = train.HFEngine(config, torch.device("cpu"), owner)  # every rank holds one; only the owner a model
+    engine = train.HFEngine(config, torch.device("cpu")) if owner else train.Engine()  # as train.main
     if owner:  # start from other weights, so a push that does nothing cannot pass
         engine.update([(n, torch.zeros_like(p)) for n, p in engine.model.named_parameters()], par.tp)
     train.push_weights(model, engine, train.Config(engine="hf", bucket_mb=1), par)
@@ -204,7 +204,7 @@ def collect(rank, world, dataset, rounds, overlong_buffer):
     par = train.parallel_groups("cpu", 1)
     tokenizer = demo_tokenizer()
     config = demo_config()
-    engine = train.HFEngine(config, torch.device("cpu"), owner=True)
+    engine = train.HFEngine(config, torch.device("cpu"))
     cfg = train.Config(prompts_per_step=4, group_size=3, max_new_tokens=max(2, overlong_buffer),
                        dynamic_sampling_rounds=rounds, overlong_buffer=overlong_buffer)
     workers = reward.RewardWorkers(2, timeout=5.0)
