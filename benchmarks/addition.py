@@ -3,12 +3,14 @@
     python3 benchmarks/addition.py                 # train.py on 2 ranks (torchrun), ~45 min on 2 cores
     python3 benchmarks/addition.py --trainer trl   # the same job with TRL's GRPOTrainer, one process
     python3 benchmarks/addition.py --trainer trl --vllm   # TRL generating with vLLM in its process (GPU, colocate)
+    python3 benchmarks/addition.py --lora_rank 16 --lr 1e-4   # train.py with LoRA (rank 16, alpha 32)
 
 Prints the held-out greedy accuracy before and after, and the curve (reward, accuracy, held-out accuracy, seconds
 per step, peak memory per process); --out_json writes the summary (benchmarks/gpu.py reads it). Both trainers get
 the same model, data, prompts, G, batch, learning rate, steps, response length and loss (DAPO's token mean, no KL,
 one update per batch, temperature 1). --prompts_per_step, --group_size, --max_new_tokens and --eval_prompts shrink
-the job (gpu.py's CPU run). On a GPU, TRL trains there in bf16 autocast over fp32 weights, as train.py does.
+the job (gpu.py's CPU run); --lr and --lora_rank (train.py only) change the update. On a GPU, TRL trains there in
+bf16 autocast over fp32 weights, as train.py does.
 """
 import argparse
 import json
@@ -28,14 +30,14 @@ import train  # noqa: E402
 from smollm2 import write_smollm2  # noqa: E402
 
 JOB = dict(task="addition", train_size=700, test_size=200, prompts_per_step=4, group_size=8, max_new_tokens=48,
-           lr=1e-5, warmup_steps=0, temperature=1.0, eval_prompts=100)
+           lr=1e-5, warmup_steps=0, temperature=1.0, eval_prompts=100, lora_rank=0)
 SIZES = ("prompts_per_step", "group_size", "max_new_tokens", "eval_prompts")  # flags that shrink the job
 
 
 def held_out_greedy_accuracy(folder, cfg):
     """Greedy accuracy on the first --eval_prompts held-out prompts, as train.py's evaluation scores them."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    engine = train.HFEngine(AutoConfig.from_pretrained(folder), torch.device("cpu"), owner=True)
+    engine = train.HFEngine(AutoConfig.from_pretrained(folder), torch.device("cpu"))
     engine.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     test_set = train.PromptDataset(cfg, "test")
     items = [test_set[i] for i in range(cfg.eval_prompts)]
@@ -118,8 +120,13 @@ def main():
     parser.add_argument("--out_json", default="", help="write the summary here")
     for key in SIZES:
         parser.add_argument(f"--{key}", type=int, default=JOB[key])
+    parser.add_argument("--lr", type=float, default=JOB["lr"], help="AdamW's learning rate")
+    parser.add_argument("--lora_rank", type=int, default=JOB["lora_rank"],
+                        help="train.py: LoRA of this rank (0: full fine-tuning)")
     args = parser.parse_args()
-    job = {**JOB, **{key: getattr(args, key) for key in SIZES}}
+    if args.trainer == "trl" and args.lora_rank:
+        parser.error("--lora_rank: train.py only (the TRL run is full fine-tuning)")
+    job = {**JOB, **{key: getattr(args, key) for key in (*SIZES, "lr", "lora_rank")}}
     folder = os.path.abspath(args.model_dir)
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
         write_smollm2(folder)
