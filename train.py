@@ -315,9 +315,8 @@ def on_first_rank(work, group):
 
 
 class Engine:
-    """Run by the first rank of a TP group (the owner). generate(prompts, budgets, temperature, top_p, stop_ids, seed):
-    per prompt, sampled ids (stop included), log-probs of logits / T. No-ops here (an HF engine's other ranks hold
-    one): update(bucket, group), a push's; begin_update() / end_update() around it; release_memory(); shutdown()."""
+    """Run by a TP group's first rank. generate(prompts, budgets, temperature, top_p, stop_ids, seed): sampled ids
+    (stop included) and log-probs of logits / T, per prompt. The rest do nothing here, as on an HF engine's others."""
     push_dtype = torch.float32  # of the pushed tensors
     release_memory = begin_update = update = end_update = shutdown = lambda self, *args: None
 
@@ -441,7 +440,8 @@ def weight_buckets(model, bucket_bytes, dtype):
     for name, param in model.named_parameters():
         if ".lora_" in name:
             continue
-        full = param.detach().to(dtype).full_tensor()
+        full = param.detach().to(dtype)
+        full = full.full_tensor() if isinstance(full, DTensor) else full
         if name.endswith(".weight") and hasattr(linear := model.get_submodule(name[:-7]), "lora_A"):  # not a bias
             b, a = (adapter.weight.detach().float().full_tensor() for adapter in (linear.lora_B, linear.lora_A))
             full = full + (model.lora_scale * b @ a).to(dtype)
@@ -864,9 +864,9 @@ def resume_folder(cfg, model_config):
         raise SystemExit(f"--out_dir {cfg.out_dir} holds checkpoints after step {state['step']} ({later[-1]}): "
                          "--resume auto continues the newest; else delete them, or use another --out_dir")
     saved = AutoConfig.from_pretrained(os.path.join(path, "hf")) if path else model_config
-    keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
-    if differ := [key for key in keys if getattr(saved, key, None) != getattr(model_config, key, None)]:
-        raise SystemExit(f"--resume {path}: a checkpoint of another model (its {differ} differ): pass its --model")
+    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+        if (was := getattr(saved, key, None)) != (now := getattr(model_config, key, None)):
+            raise SystemExit(f"--resume {path} is of another model ({key} {was}, --model's {now}): pass its --model")
     changed = [f"--{key} {value} -> {getattr(cfg, key)}" for key, value in state.get("config", {}).items()
                if key != "resume" and value != getattr(cfg, key, value)]
     if changed:

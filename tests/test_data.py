@@ -573,8 +573,8 @@ def test_resuming_a_checkpoint_of_another_model_is_refused_before_loading(tmp_pa
     cfg = train.Config(out_dir=str(tmp_path), resume="auto")
     assert train.resume_folder(cfg, demo_config(vocab_size=103)) == (checkpoint, 4, "w")
     bigger = demo_config(vocab_size=103, hidden_size=128)
-    with pytest.raises(SystemExit, match=f"--resume {checkpoint}: a checkpoint of another model \\(hidden_size 64, "
-                                         "--model's 128\\): pass the --model it was trained from"):
+    with pytest.raises(SystemExit, match=f"--resume {checkpoint} is of another model \\(hidden_size 64, "
+                                         "--model's 128\\): pass its --model"):
         train.resume_folder(cfg, bigger)
 
 

@@ -122,8 +122,7 @@ def push_then_generate(rank, world, folder, dp, tp):
     scores_right = errors == [] and [s.score for s in samples] == [
         reward.toy_reward(text, item["target"]) for text, item in zip(texts, repeated)]
     engine_logp = torch.tensor([lp for s in samples for lp in s.engine_logprobs])
-    weights_equal = (engine.model is not None) == owner and (
-        not owner or all(torch.equal(p, state[k]) for k, p in engine.model.named_parameters()))
+    weights_equal = not owner or all(torch.equal(p, state[k]) for k, p in engine.model.named_parameters())
     stop_ids = reward.stop_token_ids(tokenizer)
     finish_right = all(s.truncated == (s.response_ids[-1] not in stop_ids) for s in samples)
     return {"ids": [(s.prompt_ids, s.response_ids) for s in samples], "weights_equal": weights_equal,
