@@ -1,6 +1,5 @@
 """The whole loop through torchrun, as a user runs it: the README's CPU command learns the toy reward; one process
 without torchrun; a resume past a torn metrics line."""
-import glob
 import json
 import os
 import re
@@ -82,8 +81,8 @@ def test_tensor_parallel_run_with_reference_model_logged_to_offline_wandb(tmp_pa
     assert rows[-1]["eval_prompts"] == 16 and 0 <= rows[-1]["eval_greedy_acc"] <= 1  # both tp ranks count a prompt once
     [wandb_run] = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
     assert any(f.endswith(".wandb") for f in os.listdir(tmp_path / "wandb" / wandb_run))
-    tables = glob.glob(str(tmp_path / "wandb" / wandb_run / "files" / "media" / "table" / "sample_*.table.json"))
-    assert len(tables) == 2  # the samples of steps 2 and 4, as wandb tables
+    console = (tmp_path / "wandb" / wandb_run / "files" / "output.log").read_text()  # what wandb kept of rank 0's
+    assert console.count("  sample (reward") == 2  # the samples of steps 2 and 4
     assert "redistribut" not in run.stderr and "Warning" not in run.stderr  # TP's notices are silenced
 
 
