@@ -231,10 +231,8 @@ def build_model(model_config, mesh, device, activation_checkpointing=False, lora
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     param_dtype = torch.bfloat16 if mesh.device_type == "cuda" else None  # GPU: bf16 compute, fp32 master weights
-    options = dict(mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype, torch.float32))  # and reductions
-    for layer in model.model.layers:
-        fully_shard(layer, **options)
-    fully_shard(model, **options)
+    for module in [*model.model.layers, model]:  # FSDP per decoder layer, then the root; gradients reduced in fp32
+        fully_shard(module, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype, torch.float32))
     model.to_empty(device=device)
     with torch.device(device):  # rotary frequencies are a non-persistent buffer: rebuild it off the meta device
         model.model.rotary_emb = type(model.model.rotary_emb)(model_config)
@@ -273,7 +271,7 @@ def weight_files(cfg):
 def load_weights(models, files, cfg, model_config, world):
     """`files` (weight_files) into the sharded models one at a time, rank 0 reading: host memory holds one at most."""
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    loaded = set()
+    loaded = {"lm_head.weight"} if model_config.tie_word_embeddings else set()  # a tied lm_head is the embedding
     torch.manual_seed(cfg.seed)  # --model tiny: one part (None), random weights seeded with --seed
     for part in files:
         state = {}
@@ -284,8 +282,7 @@ def load_weights(models, files, cfg, model_config, world):
         loaded |= state.keys()
         for model in models:  # a shallow copy: set_model_state_dict replaces the dict's entries with their shards
             set_model_state_dict(model, dict(state), options=options)
-    tied = {"lm_head.weight"} if model_config.tie_word_embeddings else set()
-    missing = on_first_rank(lambda: sorted(set(models[0].state_dict()) - loaded - tied), world)
+    missing = on_first_rank(lambda: sorted(set(models[0].state_dict()) - loaded), world)
     if missing:
         raise SystemExit(f"--model {cfg.model}: its model*.safetensors files lack {missing[:3]} "
                          f"({len(missing)} tensors); save the model with save_pretrained")
@@ -520,14 +517,13 @@ def set_advantages(samples, cfg):
 
 
 class FP32Logits(torch.autograd.Function):
-    """hidden @ w.T [C, V / tp] in fp32 from bf16 inputs, as SGLang's fp32 LM head (bf16 logits lose ~0.01 nats).
-    CUDA's torch.mm(out_dtype=) has no derivative: backward takes bf16 products, as autograd's for a bf16 matmul."""
+    """hidden @ w.T [C, V / tp] in fp32 from bf16 inputs, as SGLang's fp32 LM head (bf16 logits lose ~0.01 nats)."""
     @staticmethod
     def forward(ctx, hidden, w):
         ctx.save_for_backward(hidden, w)  # CPU torch lacks mm's out_dtype: an upcast there
         return torch.mm(hidden, w.T, out_dtype=torch.float32) if hidden.is_cuda else hidden.float() @ w.float().T
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # CUDA's mm(out_dtype=) has no derivative: bf16 products, as autograd's for a bf16 matmul
         hidden, w = ctx.saved_tensors
         return grad.to(hidden.dtype) @ w, grad.T.to(hidden.dtype) @ hidden if ctx.needs_input_grad[1] else None
 
@@ -659,8 +655,7 @@ def train_on_rollouts(model, optimizer, samples, cfg, par):
     """--num_minibatches steps, the ratio vs old_logprobs if stored, else on-policy; returns metric sums by kind."""
     sums = {"token": defaultdict(float), "max": defaultdict(float)}  # same keys, same order on every rank
     per_minibatch, device = len(samples) // cfg.num_minibatches, model.device
-    for start in range(0, len(samples), per_minibatch):
-        minibatch = samples[start:start + per_minibatch]
+    for minibatch in (samples[i:i + per_minibatch] for i in range(0, len(samples), per_minibatch)):
         set_loss_weights(minibatch, cfg, par.dp)
         for batch in micro_batches(minibatch, cfg, par.world):
             logp, entropy = response_logprobs(model, batch, cfg, par.mesh["tp"])

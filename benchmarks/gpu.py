@@ -189,7 +189,7 @@ def start_engine(cfg, model_config, par, device, fp32_lm_head=True):
     from sglang.srt.server_args import ServerArgs
     has_field = "enable_fp32_lm_head" in inspect.signature(ServerArgs).parameters
     start = sglang.Engine
-    if has_field and not fp32_lm_head:  # SGLangEngine passes True where ServerArgs has the field
+    if has_field and not fp32_lm_head:  # SGLangEngine always passes True (sglang 0.5.3 and newer)
         sglang.Engine = lambda **server_args: start(**{**server_args, "enable_fp32_lm_head": False})
     try:
         return train.SGLangEngine(cfg, model_config, True, par.world), has_field and fp32_lm_head
