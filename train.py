@@ -953,7 +953,8 @@ def main():
                 lora_scale, model.lora_scale = model.lora_scale, 0.0
                 store_logprobs(ref_model or model, samples, "ref_logprobs", cfg, par)
                 model.lora_scale = lora_scale
-                (ref_model or model).reshard()  # FSDP keeps root parameters whole after a forward that has no backward
+                if ref_model is not None:  # FSDP keeps root parameters whole after a forward that has no backward
+                    ref_model.reshard()  # (the policy's are used whole by the update next, as without --beta)
             set_advantages(samples, cfg)  # within each group of G
             for group in optimizer.param_groups:  # the flags', not a checkpoint's; lr a function of the step
                 group.update(lr=cfg.lr * lr_factor(step, cfg), weight_decay=cfg.weight_decay)
