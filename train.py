@@ -851,8 +851,10 @@ def resume_folder(cfg, model_config):
     if path and (why := damage(path)):
         raise SystemExit(f"--resume {path}: not a whole checkpoint ({why}): --resume auto takes the newest whole one")
     state = json.loads(pathlib.Path(path, "trainer_state.json").read_text()) if path else {"step": 0, "wandb_id": None}
-    if path and (saved_rank := state.get("config", {}).get("lora_rank", 0)) != cfg.lora_rank:  # other parameters
-        raise SystemExit(f"--resume {path} was trained with --lora_rank {saved_rank}: resume with that --lora_rank")
+    for key in ("lora_rank", "lora_alpha") if path else ():  # other parameters; or B A rescaled, the policy moved
+        saved_value = state.get("config", {}).get(key, getattr(Config, key))  # before LoRA: full fine-tuning
+        if saved_value != getattr(cfg, key) and (key == "lora_rank" or cfg.lora_rank):  # alpha scales LoRA alone
+            raise SystemExit(f"--resume {path} was trained with --{key} {saved_value}: resume with that --{key}")
     if path and state["step"] >= cfg.steps:
         raise SystemExit(f"--resume {path} is at step {state['step']}, --steps {cfg.steps}: raise --steps to go on")
     if later := [folder for folder in found if int(folder[-6:]) > state["step"]]:  # its saves would collide, or mix

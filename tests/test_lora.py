@@ -349,6 +349,21 @@ def test_resuming_with_another_lora_rank_stops_in_one_line_naming_the_flag(base_
             train.resume_folder(cfg, config)
 
 
+def test_resuming_with_another_lora_alpha_stops_in_one_line_as_it_would_rescale_the_trained_update(lora_run,
+                                                                                                   tmp_path):
+    """alpha / R scales B A: resumed with another alpha, the policy would jump at the first step. Without LoRA
+    --lora_alpha scales nothing, and a full fine-tuning checkpoint resumes under any."""
+    checkpoint = str(lora_run / "checkpoints" / "step_000002")
+    for alpha in (32.0, 8.0):
+        cfg = train.Config(model="tiny", resume=checkpoint, lora_rank=8, lora_alpha=alpha, steps=6,
+                           out_dir=str(tmp_path))
+        with pytest.raises(SystemExit, match=f"^--resume {checkpoint} was trained with --lora_alpha 16.0[^\n]*$"):
+            train.resume_folder(cfg, demo_config())
+    run_ranks(save_two_checkpoints_recording_syncs, 1, str(tmp_path / "full"))
+    cfg = train.Config(model="tiny", resume="auto", lora_alpha=8.0, steps=4, out_dir=str(tmp_path / "full"))
+    assert train.resume_folder(cfg, demo_config())[:2] == (str(tmp_path / "full" / "checkpoints" / "step_000002"), 2)
+
+
 def test_resuming_a_checkpoint_from_before_lora_with_lora_on_stops_in_one_line(tmp_path):
     """Checkpoints saved before --lora_rank existed have no lora_rank in their config: full fine-tuning."""
     run_ranks(save_two_checkpoints_recording_syncs, 1, str(tmp_path))
