@@ -253,7 +253,7 @@ def add_lora(model, rank, alpha, tp_mesh):
             for adapter, split in zip((linear.lora_A, linear.lora_B), splits if tp_mesh.size() > 1 else ()):
                 adapter.weight = torch.nn.Parameter(distribute_tensor(adapter.weight, tp_mesh, [split]))
             linear.register_forward_hook(
-                lambda module, args, out: out + module.lora_B(module.lora_A(args[0])) * model.lora_scale, prepend=True)
+                lambda module, args, out: out + module.lora_B(module.lora_A(args[0]) * model.lora_scale), prepend=True)
 
 
 def weight_files(cfg):
