@@ -675,10 +675,9 @@ def train_on_rollouts(model, optimizer, samples, cfg, par):
         for grad in [param.grad for param in model.parameters() if param.grad is not None]:
             by_mesh[grad.device_mesh].append(grad)
         grad_norm = math.sqrt(sum(torch.nn.utils.get_total_norm(g).full_tensor().item() ** 2 for g in by_mesh.values()))
-        if math.isfinite(grad_norm) and 0 < cfg.max_grad_norm < grad_norm:  # clipped
-            for grads in by_mesh.values():
-                torch._foreach_mul_(grads, cfg.max_grad_norm / (grad_norm + 1e-6))
         if math.isfinite(grad_norm):  # a step with a non-finite norm is skipped, and counted
+            for grads in by_mesh.values() if 0 < cfg.max_grad_norm < grad_norm else []:  # clipped
+                torch._foreach_mul_(grads, cfg.max_grad_norm / (grad_norm + 1e-6))
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sums["max"]["skipped_steps"] += not math.isfinite(grad_norm)  # the norm is global: equal on every rank
