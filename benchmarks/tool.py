@@ -1,10 +1,11 @@
-"""What a tool call costs: reward.run_python alone, and a round's tool calls run by RewardWorkers.run_tools.
+"""What a tool call costs: sandbox.run_python alone, and a round's tool calls run by RewardWorkers.run_python.
 
     python3 benchmarks/tool.py
 
 Prints the latency of one call (against a bare `python3 -c pass`) and the calls per second of a round of 64 calls
 with 1, 2, 4, ... workers (--reward_workers).
 """
+
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import reward  # noqa: E402
+import sandbox  # noqa: E402
 
 CODE = "import math\nprint(sum(math.comb(20, k) for k in range(21)))"  # a small computation, as a model writes
 
@@ -26,27 +28,29 @@ def mean_seconds(call, repeats=20):
 
 
 def main():
-    interpreter = reward.tool_interpreter()
-    assert reward.run_python(CODE) == "1048576\n", reward.run_python(CODE)
+    interpreter = sandbox.tool_interpreter()
+    assert sandbox.run_python(CODE) == "1048576\n", sandbox.run_python(CODE)
     bare = mean_seconds(lambda: subprocess.run([interpreter, "-c", "pass"], check=True))
-    tool = mean_seconds(lambda: reward.run_python(CODE))
-    namespaces = "yes" if "unshare" in (reward._isolation() or []) else "no"
-    cgroup = reward._new_cgroup("tool_benchmark", 64)  # a call's memory cgroup: its move costs an RCU grace period
+    tool = mean_seconds(lambda: sandbox.run_python(CODE))
+    namespaces = "yes" if "unshare" in (sandbox._isolation() or []) else "no"
+    cgroup = sandbox._new_cgroup("tool_benchmark", 64)  # a call's memory cgroup: its move costs an RCU grace period
     if cgroup:
-        reward._remove_cgroup(cgroup)
-    print(f"cores: {os.cpu_count()}; namespaces: {namespaces}; cgroup: {'yes' if cgroup else 'no'}; "
-          f"interpreter {interpreter}")
+        sandbox._remove_cgroup(cgroup)
+    print(
+        f"cores: {os.cpu_count()}; namespaces: {namespaces}; cgroup: {'yes' if cgroup else 'no'}; "
+        f"interpreter {interpreter}"
+    )
     print(f"{'one call':<28}{'ms':>8}")
     print(f"{'bare python3 -c pass':<28}{bare * 1e3:>8.1f}")
-    print(f"{'reward.run_python':<28}{tool * 1e3:>8.1f}")
+    print(f"{'sandbox.run_python':<28}{tool * 1e3:>8.1f}")
     print(f"\n{'workers':<10}{'64 calls, s':>12}{'calls/s':>10}")
     workers = 1
     while workers <= max(os.cpu_count(), 2):
-        pool = reward.RewardWorkers(workers, timeout=5.0)
+        pool = sandbox.RewardWorkers(reward.reward_fn, workers, timeout=5.0)
         try:
-            pool.run_tools([CODE])  # started
+            pool.run_python([CODE])  # started
             start = time.perf_counter()
-            outputs = pool.run_tools([CODE] * 64)
+            outputs = pool.run_python([CODE] * 64)
             seconds = time.perf_counter() - start
         finally:
             pool.close()

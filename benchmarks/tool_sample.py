@@ -5,6 +5,7 @@ output (no loss), what each turn cost, with train.py's own engine, weight push a
 
 Prints the first sample that ran code (ids, the sampled / tool mask, text) and the time of the rollout.
 """
+
 import argparse
 import os
 import sys
@@ -16,7 +17,11 @@ from transformers import AutoConfig, AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import checkpoint  # noqa: E402
+import engines  # noqa: E402
+import launch  # noqa: E402
 import reward  # noqa: E402
+import sandbox  # noqa: E402
 import train  # noqa: E402
 
 
@@ -28,31 +33,41 @@ def main():
     parser.add_argument("--n", type=int, default=16, help="prompts, one sample each")
     parser.add_argument("--max_new_tokens", type=int, default=300)
     args = parser.parse_args()
-    cfg = train.Config(model=args.model, engine=args.engine, task=args.task, tool="python", max_turns=3,
-                       max_new_tokens=args.max_new_tokens, train_size=700, test_size=200, out_dir="/tmp/tool_sample",
-                       temperature=1.0)
+    cfg = train.Config(
+        model=args.model,
+        engine=args.engine,
+        task=args.task,
+        tool="python",
+        max_turns=3,
+        max_new_tokens=args.max_new_tokens,
+        train_size=700,
+        test_size=200,
+        out_dir="/tmp/tool_sample",
+        temperature=1.0,
+    )
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=0, world_size=1)
     tokenizer, config = AutoTokenizer.from_pretrained(args.model), AutoConfig.from_pretrained(args.model)
-    par = train.parallel_groups(device.type, 1)
+    par = launch.parallel_groups(device.type, 1)
     model = train.build_model(config, par.mesh, device)
-    train.load_weights([model], train.weight_files(cfg), cfg, config, par.world)
-    workers = reward.RewardWorkers(8, timeout=5.0)
-    engine = (train.SGLangEngine(cfg, config, True, par.world) if args.engine == "sglang"
-              else train.HFEngine(config, device))
+    checkpoint.load_weights([model], checkpoint.weight_files(cfg.model), cfg, config, par.world_group)
+    workers = sandbox.RewardWorkers(reward.reward_fn, 8, timeout=5.0)
+    engine = engines.start_engine(cfg, config, par, device)  # --engine's, owned by this one rank
     try:
         engine.release_memory()  # as main(): a push finds the engine's memory released
-        train.push_weights(model, engine, cfg, par)
+        engines.push_weights(train.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
         items = [train.PromptDataset(cfg, "test")[i] for i in range(args.n)]
         start = time.perf_counter()
         samples, _ = train.generate_rollouts(engine, workers, tokenizer, items, cfg, 0, cfg.temperature)
         seconds = time.perf_counter() - start
         used = [s for s in samples if s.tool_outputs]
         runs = sum(len(s.tool_outputs) for s in samples)
-        print(f"{len(samples)} samples in {seconds:.2f} s; {len(used)} ran code, {runs} runs; "
-              f"reward {sum(s.score for s in samples) / len(samples):.2f}")
+        print(
+            f"{len(samples)} samples in {seconds:.2f} s; {len(used)} ran code, {runs} runs; "
+            f"reward {sum(s.score for s in samples) / len(samples):.2f}"
+        )
         for s in used[:1] or samples[:1]:
             print("prompt ids:", s.prompt_ids)
             print("response ids:", s.response_ids)
@@ -61,7 +76,7 @@ def main():
             print("text:\n" + tokenizer.decode(s.prompt_ids) + tokenizer.decode(s.response_ids))
             print("tool outputs:", s.tool_outputs)
     finally:
-        train.shut_down(engine, workers, None)
+        launch.shut_down(engine, workers, None)
         dist.destroy_process_group()
 
 

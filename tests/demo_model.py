@@ -1,5 +1,6 @@
-"""`--model tiny`, the CPU demo's model, for tests that build it directly: train.py makes its character tokenizer
-and its random Qwen2 config in load_tokenizer_and_config."""
+"""`--model tiny`, the CPU demo's model, for tests that build it directly: its character tokenizer and random Qwen2
+config come from checkpoint.tiny_tokenizer_and_config, through train.load_tokenizer_and_config as main gets them."""
+
 import train
 
 

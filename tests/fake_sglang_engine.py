@@ -1,11 +1,12 @@
-"""CPU stand-ins for sglang.Engine, which cannot start without a GPU: everything else train.SGLangEngine uses is the
-real sglang package (its serializer, tensor buckets and process teardown). The fakes follow the behaviour of sglang
+"""CPU stand-ins for sglang.Engine, which cannot start without a GPU: everything else engines.SGLangEngine uses is
+the real sglang package (its serializer, tensor buckets and process teardown). The fakes follow the behaviour of sglang
 0.5.17 / 0.5.23 described in tests/sglang_api.md and record every call in `engine.calls`, in order. As sglang's
 TP rank 0 does (its rendezvous store), an engine holds its nccl_port from start to shutdown, and fails to start when
 the port is taken; it records the environment its processes would inherit (`environ`).
 
 Engine: 0.5.17 (no weight-update session). SessionEngine: 0.5.21+ (begin/end_weight_update, and updates outside a
 session fail). FailingEngine: every weight update reports (False, "boom")."""
+
 import json
 import os
 import signal
@@ -17,14 +18,51 @@ from sglang.srt.utils import MultiprocessingSerializer, kill_process_tree
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
 # ServerArgs fields (both versions); a name outside them is a TypeError, as for the real dataclass.
-SERVER_ARGS = {"model_path", "load_format", "skip_tokenizer_init", "tp_size", "dp_size", "base_gpu_id",
-               "gpu_id_step", "nccl_port", "dist_init_addr", "port", "enable_memory_saver",
-               "enable_weights_cpu_backup", "mem_fraction_static", "random_seed", "attention_backend",
-               "sampling_backend", "log_level", "disable_cuda_graph", "context_length", "dtype",
-               "enable_deterministic_inference", "custom_sigquit_handler", "enable_fp32_lm_head"}
-SAMPLING_PARAMS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
-                   "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
-                   "ignore_eos", "skip_special_tokens", "no_stop_trim", "logit_bias", "sampling_seed"}
+SERVER_ARGS = {
+    "model_path",
+    "load_format",
+    "skip_tokenizer_init",
+    "tp_size",
+    "dp_size",
+    "base_gpu_id",
+    "gpu_id_step",
+    "nccl_port",
+    "dist_init_addr",
+    "port",
+    "enable_memory_saver",
+    "enable_weights_cpu_backup",
+    "mem_fraction_static",
+    "random_seed",
+    "attention_backend",
+    "sampling_backend",
+    "log_level",
+    "disable_cuda_graph",
+    "context_length",
+    "dtype",
+    "enable_deterministic_inference",
+    "custom_sigquit_handler",
+    "enable_fp32_lm_head",
+}
+SAMPLING_PARAMS = {
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "ignore_eos",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "logit_bias",
+    "sampling_seed",
+}
 MEMORY_TAGS = ["kv_cache", "weights", "cuda_graph"]
 STARTED = []  # every engine started in this process, so that a test can close the ports they hold
 FlushCacheReqOutput = namedtuple("FlushCacheReqOutput", "success message")
@@ -65,8 +103,13 @@ class Engine:
         unknown = set().union(*per_request) - SAMPLING_PARAMS
         if unknown:
             raise TypeError(f"SamplingParams has no {sorted(unknown)}")
-        self.calls.append(("generate", len(input_ids), [dict(p) for p in sampling_params]
-                           if isinstance(sampling_params, list) else dict(sampling_params)))
+        self.calls.append(
+            (
+                "generate",
+                len(input_ids),
+                [dict(p) for p in sampling_params] if isinstance(sampling_params, list) else dict(sampling_params),
+            )
+        )
         outputs = []
         for i, params in enumerate(per_request):
             limit, stop = params.get("max_new_tokens", 128), sorted(params.get("stop_token_ids", [2]))
@@ -74,9 +117,13 @@ class Engine:
             body = [1000 + 10 * i + j for j in range({0: min(2, limit - 1), 1: limit, 2: limit - 1}[case])]
             ids = body if case == 1 else body + [stop[0]]
             assert not set(body) & set(stop)
-            finish = ({"type": "stop", "matched": stop[0]} if case == 0 else {"type": "length", "length": limit})
-            meta = {"id": str(i), "finish_reason": finish, "prompt_tokens": len(input_ids[i]),
-                    "completion_tokens": len(ids)}
+            finish = {"type": "stop", "matched": stop[0]} if case == 0 else {"type": "length", "length": limit}
+            meta = {
+                "id": str(i),
+                "finish_reason": finish,
+                "prompt_tokens": len(input_ids[i]),
+                "completion_tokens": len(ids),
+            }
             if return_logprob:
                 meta["output_token_logprobs"] = [(-0.01 * (i + 1) - 0.001 * j, t, None) for j, t in enumerate(ids)]
             outputs.append({"output_ids": ids, "meta_info": meta})

@@ -1,4 +1,5 @@
 """Peak memory of the logits, measured op by op: the tensors of shape [*, width] alive at once."""
+
 import weakref
 
 import torch
@@ -16,8 +17,14 @@ class LiveLogits(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if (isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == self.width and t.shape[0] != self.hidden
-                    and t._base is None and 0 not in t.stride()):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.dim() == 2
+                and t.shape[1] == self.width
+                and t.shape[0] != self.hidden
+                and t._base is None
+                and 0 not in t.stride()
+            ):
                 self.live.add(t)
         self.peak = max(self.peak, sum(t.numel() * t.element_size() for t in self.live))
         return out

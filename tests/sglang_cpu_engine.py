@@ -2,7 +2,7 @@
 
 What is real (sglang's own code, unchanged):
 - engine side, one spawned process per engine TP rank (dp engines of tp ranks each): ServerArgs built from the very
-  arguments train.SGLangEngine passes sglang.Engine (device="cpu" added), publish() of the runtime context, sglang's
+  arguments engines.SGLangEngine passes sglang.Engine (device="cpu" added), publish() of the runtime context, sglang's
   distributed bootstrap on the nccl_port the trainer chose (gloo groups among an engine's ranks), its measurement of
   the memory before the model loads with the TP memory-balance check (bootstrap.measure_pre_model_load_memory, as
   ModelRunner.init_torch_distributed calls it), the dummy-loaded model from sglang.srt.model_loader.get_model,
@@ -11,9 +11,10 @@ What is real (sglang's own code, unchanged):
   Qwen3 load_weights, SchedulerFlushWrapper, and sglang's TypeBasedDispatcher with the weight-update and memory
   entries of Scheduler.init_request_dispatcher;
 - on the wire: the io_struct requests and replies, msgpack-encoded by io_struct.msgpack_encode as sock_send does;
-- trainer side, dp x tp gloo ranks: train.parallel_groups, train.SGLangEngine (constructed on every rank: the port,
-  the barrier, the environment, the engine's config.json, the warm-up request) over the real sglang.Engine class, and
-  train.push_weights on the trainer's sharded model (FSDP2 + DTensor TP, loaded by train.load_weights).
+- trainer side, dp x tp gloo ranks: launch.parallel_groups, engines.start_engine (called on every rank: the port, the
+  barrier; on the owner engines.SGLangEngine: the environment, the engine's config.json, the warm-up request) over
+  the real sglang.Engine class, and engines.push_weights of train.full_weights on the trainer's sharded model (FSDP2 +
+  DTensor TP, loaded by checkpoint.load_weights).
 
 What is replaced:
 - sglang.Engine.__init__, which would spawn the scheduler processes: HarnessEngine builds ServerArgs from the same
@@ -37,6 +38,7 @@ The engine ranks never run sglang's CPU engine branches (SGLANG_USE_CPU_ENGINE s
 take the branches they take on a GPU; tests/sglang_cpu_stubs/ supplies torchvision and vllm._custom_ops there and to
 the trainer ranks, which import sglang.Engine.
 """
+
 import io
 import logging
 import multiprocessing
@@ -99,6 +101,7 @@ class SchedulerStandIn:
     def __init__(self):
         from sglang.srt.disaggregation.utils import DisaggregationMode
         from sglang.srt.managers.scheduler import Scheduler
+
         self.disaggregation_mode = DisaggregationMode.NULL
         self._engine_paused = False
         self.flushes = 0
@@ -124,9 +127,16 @@ class ModelRunnerStandIn:
 
         self.model = model
         self.weight_updater = WeightUpdater(
-            tp_rank=tp_rank, device="cpu", gpu_id=tp_rank, model_config=model_config,
-            custom_weight_loaders=get_model().custom_weight_loader, get_model=lambda: self.model,
-            update_model_fields=not_here, recapture_cuda_graph=not_here, get_model_runner=lambda: self)
+            tp_rank=tp_rank,
+            device="cpu",
+            gpu_id=tp_rank,
+            model_config=model_config,
+            custom_weight_loaders=get_model().custom_weight_loader,
+            get_model=lambda: self.model,
+            update_model_fields=not_here,
+            recapture_cuda_graph=not_here,
+            get_model_runner=lambda: self,
+        )
 
 
 def tp_worker_stand_in(runner):
@@ -135,7 +145,7 @@ def tp_worker_stand_in(runner):
     from sglang.srt.managers.tp_worker import TpModelWorker
 
     class TpWorkerStandIn(TpModelWorker):
-        def __init__(self):  # noqa: the real __init__ is what this stand-in avoids
+        def __init__(self):  # not super().__init__: the real one is what this stand-in avoids
             self._model_runner = runner
 
         @property
@@ -167,8 +177,8 @@ class EngineRank:
     def load_model(self, engine_kwargs, environ):
         """The scheduler's steps on CPU, with the arguments sglang.Engine was given: publish, (once) the groups on
         nccl_port, ModelConfig, the memory baseline and its TP balance check, get_model; every parameter NaN."""
-        import torch
         import sglang.srt.utils.common as common
+        import torch
         from sglang.srt.configs.device_config import DeviceConfig
         from sglang.srt.configs.load_config import LoadConfig
         from sglang.srt.configs.model_config import ModelConfig
@@ -187,8 +197,7 @@ class EngineRank:
         publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=self.tp_rank, gpu_id=gpu_id))
         model_config = ModelConfig.from_server_args(server_args)
         if not self.groups_built:  # once per process, as in Scheduler.__init__
-            bootstrap.init_parallel_runtime(server_args=server_args, device="cpu",
-                                            dist_port=engine_kwargs["nccl_port"])
+            bootstrap.init_parallel_runtime(server_args=server_args, device="cpu", dist_port=engine_kwargs["nccl_port"])
             self.groups_built = True
         bootstrap.init_layer_runtime(model_config=model_config)
         probe = common.get_free_cpu_memory
@@ -197,18 +206,25 @@ class EngineRank:
             bootstrap.measure_pre_model_load_memory(device="cpu", is_draft_worker=False)
         finally:
             common.get_free_cpu_memory = probe
-        model = get_model(model_config=model_config, load_config=LoadConfig(load_format=engine_kwargs["load_format"]),
-                          device_config=DeviceConfig("cpu", gpu_id))
+        model = get_model(
+            model_config=model_config,
+            load_config=LoadConfig(load_format=engine_kwargs["load_format"]),
+            device_config=DeviceConfig("cpu", gpu_id),
+        )
         with torch.no_grad():
             for param in model.parameters():
                 param.fill_(float("nan"))
         self.runner = ModelRunnerStandIn(model, model_config, self.tp_rank)
         self.scheduler = SchedulerStandIn()
         self.manager = SchedulerWeightUpdaterManager(
-            tp_worker=tp_worker_stand_in(self.runner), draft_worker=None,
+            tp_worker=tp_worker_stand_in(self.runner),
+            draft_worker=None,
             memory_saver_adapter=TorchMemorySaverAdapter.create(enable=False),
-            flush_cache=self.scheduler.flush_cache, is_fully_idle=self.scheduler.is_fully_idle,
-            scheduler=self.scheduler, metrics_collector=None)
+            flush_cache=self.scheduler.flush_cache,
+            is_fully_idle=self.scheduler.is_fully_idle,
+            scheduler=self.scheduler,
+            metrics_collector=None,
+        )
         self.dispatch = self.dispatcher()
         self.crashed = None
 
@@ -221,21 +237,27 @@ class EngineRank:
         def no_deferred_reply(output, request):  # only flushes with a timeout defer their reply
             raise AssertionError("a deferred flush reply: the harness sends no flush timeout")
 
-        flush = SchedulerFlushWrapper(flush_cache=self.scheduler.flush_cache,
-                                      is_fully_idle=self.scheduler.is_fully_idle, send_output=no_deferred_reply)
+        flush = SchedulerFlushWrapper(
+            flush_cache=self.scheduler.flush_cache,
+            is_fully_idle=self.scheduler.is_fully_idle,
+            send_output=no_deferred_reply,
+        )
         m = self.manager
-        return TypeBasedDispatcher([
-            (io_struct.FlushCacheReqInput, flush.handle),
-            (io_struct.BeginWeightUpdateReqInput, m.begin_weight_update),
-            (io_struct.EndWeightUpdateReqInput, m.end_weight_update),
-            (io_struct.UpdateWeightsFromTensorReqInput, m.update_weights_from_tensor),
-            (io_struct.ReleaseMemoryOccupationReqInput, m.release_memory_occupation),
-            (io_struct.ResumeMemoryOccupationReqInput, m.resume_memory_occupation),
-        ])
+        return TypeBasedDispatcher(
+            [
+                (io_struct.FlushCacheReqInput, flush.handle),
+                (io_struct.BeginWeightUpdateReqInput, m.begin_weight_update),
+                (io_struct.EndWeightUpdateReqInput, m.end_weight_update),
+                (io_struct.UpdateWeightsFromTensorReqInput, m.update_weights_from_tensor),
+                (io_struct.ReleaseMemoryOccupationReqInput, m.release_memory_occupation),
+                (io_struct.ResumeMemoryOccupationReqInput, m.resume_memory_occupation),
+            ]
+        )
 
     def handle_request(self, data):
         """An encoded io_struct request in, the encoded reply out; raises once crashed, like a dead scheduler."""
         from sglang.srt.managers.io_struct import msgpack_decode, msgpack_encode
+
         if self.crashed:
             raise RuntimeError(f"engine TP rank {self.tp_rank} has crashed earlier:\n{self.crashed}")
         request = msgpack_decode(data)
@@ -249,6 +271,7 @@ class EngineRank:
     def shut_down(self):
         """Drop the groups (and their shared-memory broadcast queue) and the communicators, as a scheduler exits."""
         from sglang.srt.distributed.parallel_state import abort_distributed_environment, destroy_model_parallel
+
         if self.groups_built:
             destroy_model_parallel()
             abort_distributed_environment()
@@ -257,21 +280,26 @@ class EngineRank:
         """torch.save bytes of the parameters, the buffers, the requests seen and the flush count (torch.save: after
         sglang's monkey_patch_torch_reductions, ForkingPickler can no longer pickle CPU tensors)."""
         import torch
+
         model = self.runner.model
-        state = {"parameters": {n: p.detach().clone() for n, p in model.named_parameters()},
-                 "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
-                 "requests": list(self.requests_seen), "flushes": self.scheduler.flushes}
+        state = {
+            "parameters": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+            "requests": list(self.requests_seen),
+            "flushes": self.scheduler.flushes,
+        }
         buffer = io.BytesIO()
         torch.save(state, buffer)
         return buffer.getvalue()
 
 
 def try_cpu_tensor_ipc_pickle():
-    """What sglang's monkey_patch_torch_reductions() (train.SGLangEngine applies it where CUDA is present) does to
+    """What sglang's monkey_patch_torch_reductions() (engines.start_engine applies it where CUDA is present) does to
     pickling a CPU tensor for IPC."""
     import torch
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
     monkey_patch_torch_reductions()
     try:
         MultiprocessingSerializer.serialize({"t": torch.zeros(2)}, output_str=True)
@@ -292,8 +320,10 @@ def engine_rank_main(engine, tp_rank, tp_size, gpus, requests, to_owner, to_harn
     key = (engine, tp_rank)
     try:
         import torch
+
         torch.set_num_threads(1)
         import sglang.srt.managers.scheduler  # noqa: F401  the heavy part of the imports, timed here
+
         rank = EngineRank(tp_rank, tp_size)
         to_harness.put((key, ("ready", time.perf_counter() - start), None))
     except BaseException:
@@ -369,6 +399,7 @@ class QueueTokenizerManager:
 
     def _call(self, request):
         from sglang.srt.managers.io_struct import msgpack_decode, msgpack_encode
+
         return [msgpack_decode(self._gather(msgpack_encode(request))[0])]  # msgpack: as sock_send
 
     async def generate_request(self, obj, request=None):
@@ -379,20 +410,24 @@ class QueueTokenizerManager:
 
     async def begin_weight_update(self, obj, request=None):
         from sglang.srt.managers.communicator import FanOutCommunicator
+
         return FanOutCommunicator.merge_results(self._call(obj))
 
     async def end_weight_update(self, obj, request=None):
         from sglang.srt.managers.communicator import FanOutCommunicator
+
         return FanOutCommunicator.merge_results(self._call(obj))
 
     async def update_weights_from_tensor(self, obj, request=None):
         from sglang.srt.managers.communicator import FanOutCommunicator
         from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
+
         obj.serialized_named_tensors = normalize_serialized_named_tensor_payloads(obj.serialized_named_tensors)
         return FanOutCommunicator.merge_results(self._call(obj))
 
     async def flush_cache(self, timeout_s=None):
         from sglang.srt.managers.io_struct import FlushCacheReqInput
+
         return self._call(FlushCacheReqInput(timeout_s=timeout_s))[0]
 
     async def release_memory_occupation(self, obj, request=None):
@@ -410,7 +445,7 @@ def harness_engine_class(requests, replies):
     class HarnessEngine(Engine):
         unset_environ = ()  # names left out of what the engine inherits (a trainer that did not set them)
 
-        def __init__(self, **kwargs):  # noqa: the real __init__ launches sglang's processes
+        def __init__(self, **kwargs):  # not super().__init__: the real one launches sglang's processes
             if "log_level" not in kwargs:
                 kwargs["log_level"] = "error"
             self.server_args = self.server_args_class(**kwargs)  # sglang's own check of the arguments
@@ -424,56 +459,69 @@ def harness_engine_class(requests, replies):
 
 
 class SessionlessView:
-    """The Engine as train.SGLangEngine sees an sglang older than 0.5.21: no begin/end_weight_update."""
+    """The Engine as engines.SGLangEngine sees an sglang older than 0.5.21: no begin/end_weight_update."""
 
     def __init__(self, engine):
-        for name in ("update_weights_from_tensor", "flush_cache", "release_memory_occupation",
-                     "resume_memory_occupation"):
+        for name in (
+            "update_weights_from_tensor",
+            "flush_cache",
+            "release_memory_occupation",
+            "resume_memory_occupation",
+        ):
             setattr(self, name, getattr(engine, name))
 
 
-RESHAPES = {"transpose": lambda t: t.t().contiguous(), "half_columns": lambda t: t[:, :t.shape[1] // 2].contiguous()}
+RESHAPES = {"transpose": lambda t: t.t().contiguous(), "half_columns": lambda t: t[:, : t.shape[1] // 2].contiguous()}
 
 
 def mutate_buckets(rename, reshape):
-    """train.weight_buckets with some names renamed and some tensors reshaped by RESHAPES[how] (a trainer-side bug
-    to catch); with neither, the original back."""
-    import train
-    original = getattr(train.weight_buckets, "original", train.weight_buckets)
+    """engines.weight_buckets (push_weights finds it as a global of engines) with some names renamed and some tensors
+    reshaped by RESHAPES[how] (a trainer-side bug to catch); with neither, the original back."""
+    import engines
+
+    original = getattr(engines.weight_buckets, "original", engines.weight_buckets)
 
     def buckets(*args, **kwargs):
         for bucket in original(*args, **kwargs):
             yield [(rename.get(n, n), RESHAPES[reshape[n]](t) if n in reshape else t) for n, t in bucket]
+
     buckets.original = original
-    train.weight_buckets = buckets if rename or reshape else original
+    engines.weight_buckets = buckets if rename or reshape else original
 
 
 def trainer_model(folder, par):
     """The trainer's policy as main builds it: sharded over par.mesh, then the checkpoint in `folder` streamed in."""
     import torch
-    import train
     from transformers import AutoConfig
+
+    import checkpoint
+    import launch
+    import train
+
     config = AutoConfig.from_pretrained(folder)
     model = train.build_model(config, par.mesh, torch.device("cpu"))
     cfg = train.Config(model=folder)
-    files = train.on_first_rank(lambda: train.weight_files(cfg), par.world)
-    train.load_weights([model], files, cfg, config, par.world)
+    files = launch.on_first_rank(par.world_group, checkpoint.weight_files, cfg.model)
+    checkpoint.load_weights([model], files, cfg, config, par.world_group)
     return model
 
 
 def trainer_rank_main(rank, world, port, links, commands, results, sys_path):
     """A trainer rank on gloo, on one node (LOCAL_RANK is the rank), for every engine shape of links: per shape, its
     TP size and the requests and replies of this rank's engine (rank // tp), whose owner is the TP group's first rank,
-    as train.main arranges it. A shape's groups (train.parallel_groups) are made on its first command."""
+    as train.main arranges it. A shape's groups (launch.parallel_groups) are made on its first command."""
     sys.path[:] = sys_path
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     start = time.perf_counter()
     quiet_logging()
     try:
         import torch
         import torch.distributed as dist
+
         import train  # noqa: F401  imported before the clock stops
+
         logging.getLogger("torch").setLevel(logging.ERROR)  # not DTensor's notes on sequential all-gathers
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -481,8 +529,10 @@ def trainer_rank_main(rank, world, port, links, commands, results, sys_path):
     except BaseException:
         results.put((rank, None, failure()))
         return
-    shapes = [types.SimpleNamespace(tp=tp, requests=requests, replies=replies, par=None, engine_class=None,
-                                    engine=None) for tp, requests, replies in links]
+    shapes = [
+        types.SimpleNamespace(tp=tp, requests=requests, replies=replies, par=None, engine_class=None, engine=None)
+        for tp, requests, replies in links
+    ]
     while True:
         command = commands.get()
         if command is None:
@@ -496,15 +546,19 @@ def trainer_rank_main(rank, world, port, links, commands, results, sys_path):
 
 
 def run_trainer_command(rank, shape, kind, options):
-    """"start": train.SGLangEngine on every rank for the model saved in options["folder"]; "release":
-    SGLangEngine.release_memory; "push": train.push_weights of that model; "update_outside_session": one bucket sent
-    with no session open, sglang's (ok, message) returned unchecked."""
+    """ "start": engines.start_engine on every rank for the model saved in options["folder"]; "release":
+    release_memory; "push": engines.push_weights of that model; "update_outside_session": one bucket sent with no
+    session open, sglang's (ok, message) returned unchecked."""
     import sglang
     import torch
-    import train
     from transformers import AutoConfig
+
+    import engines
+    import launch
+    import train
+
     if shape.par is None:
-        shape.par = train.parallel_groups("cpu", shape.tp)
+        shape.par = launch.parallel_groups("cpu", shape.tp)
     par, owner = shape.par, shape.par.mesh["tp"].get_local_rank() == 0
     if kind == "start":
         shape.engine = None
@@ -513,14 +567,22 @@ def run_trainer_command(rank, shape, kind, options):
             shape.engine_class.unset_environ = options.get("unset_environ", ())
             sglang.Engine = shape.engine_class
         cfg = train.Config(engine="sglang", tp=shape.tp, out_dir=options["out_dir"], seed=3)
-        shape.engine = train.SGLangEngine(cfg, AutoConfig.from_pretrained(options["folder"]), owner, par.world)
-        engine = shape.engine.engine
-        if engine is None:
+        shape.engine = engines.start_engine(
+            cfg, AutoConfig.from_pretrained(options["folder"]), par, torch.device("cpu")
+        )
+        if not owner:  # an SGLangPeer: no sglang.Engine
             return None
-        return {"rank": rank, "kwargs": engine.kwargs, "loads": engine.loads,
-                "generate": engine.tokenizer_manager.generate_requests,
-                "environ": {k: engine.environ.get(k) for k in ("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK",
-                                                               "TORCHELASTIC_USE_AGENT_STORE")}}
+        engine = shape.engine.engine
+        return {
+            "rank": rank,
+            "kwargs": engine.kwargs,
+            "loads": engine.loads,
+            "generate": engine.tokenizer_manager.generate_requests,
+            "environ": {
+                k: engine.environ.get(k)
+                for k in ("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "TORCHELASTIC_USE_AGENT_STORE")
+            },
+        }
     trainer_engine = shape.engine
     if kind == "release":
         trainer_engine.release_memory()
@@ -528,28 +590,32 @@ def run_trainer_command(rank, shape, kind, options):
     if kind == "update_outside_session":  # the owner alone: it serializes every engine rank's copy
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-        if trainer_engine.engine is None:
+
+        if not owner:
             return None
         bucket = FlattenedTensorBucket(named_tensors=[("model.norm.weight", torch.ones(4, dtype=torch.bfloat16))])
         payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
         engine = trainer_engine.engine
-        per_rank = [MultiprocessingSerializer.serialize(payload, output_str=True)
-                    for _ in engine.tokenizer_manager.requests]
+        per_rank = [
+            MultiprocessingSerializer.serialize(payload, output_str=True) for _ in engine.tokenizer_manager.requests
+        ]
         return engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket", flush_cache=False)
     assert kind == "push", kind
     began = time.perf_counter()
     model = trainer_model(options["folder"], par)
     built = time.perf_counter()
-    engine = trainer_engine.engine
+    engine = trainer_engine.engine if owner else None  # the peers hold no sglang.Engine
     if engine is not None and not options.get("session", True):
         trainer_engine.engine = SessionlessView(engine)
     mutate_buckets(options.get("rename", {}), options.get("reshape", {}))
     try:
         cfg = train.Config(engine="sglang", bucket_mb=options["bucket_mb"])
-        train.push_weights(model, trainer_engine, cfg, par)
+        weights = train.full_weights(model, trainer_engine.push_dtype)
+        engines.push_weights(weights, trainer_engine, cfg.bucket_mb, par.tp_group)
     finally:
         mutate_buckets({}, {})
-        trainer_engine.engine = engine
+        if engine is not None:
+            trainer_engine.engine = engine
     return {"build_s": built - began, "push_s": time.perf_counter() - built}
 
 
@@ -571,12 +637,25 @@ class CPUEngineCluster:
         self.trainer_results = ctx.Queue()
         trainer_port = free_port()
         self.trainers = [
-            ctx.Process(target=trainer_rank_main, name=f"trainer-{g}", daemon=True,
-                        args=(g, world, trainer_port,
-                              [(tp, self.engine_requests[s][g // tp], self.engine_to_owner[s][g // tp])
-                               for s, (_, tp) in enumerate(shapes)],
-                              self.trainer_commands[g], self.trainer_results, child_sys_path(with_stubs=True)))
-            for g in range(world)]
+            ctx.Process(
+                target=trainer_rank_main,
+                name=f"trainer-{g}",
+                daemon=True,
+                args=(
+                    g,
+                    world,
+                    trainer_port,
+                    [
+                        (tp, self.engine_requests[s][g // tp], self.engine_to_owner[s][g // tp])
+                        for s, (_, tp) in enumerate(shapes)
+                    ],
+                    self.trainer_commands[g],
+                    self.trainer_results,
+                    child_sys_path(with_stubs=True),
+                ),
+            )
+            for g in range(world)
+        ]
         self.engines, self.shape = [], None
         for process in self.trainers:
             process.start()
@@ -593,10 +672,24 @@ class CPUEngineCluster:
         self._stop_engines()
         s = self.shapes.index((dp, tp))
         self.engines = [
-            self.ctx.Process(target=engine_rank_main, name=f"engine{e}-tp{r}", daemon=True,
-                             args=(e, r, tp, self.world, self.engine_requests[s][e][r], self.engine_to_owner[s][e],
-                                   self.engine_to_harness, child_sys_path(with_stubs=True)))
-            for e in range(dp) for r in range(tp)]
+            self.ctx.Process(
+                target=engine_rank_main,
+                name=f"engine{e}-tp{r}",
+                daemon=True,
+                args=(
+                    e,
+                    r,
+                    tp,
+                    self.world,
+                    self.engine_requests[s][e][r],
+                    self.engine_to_owner[s][e],
+                    self.engine_to_harness,
+                    child_sys_path(with_stubs=True),
+                ),
+            )
+            for e in range(dp)
+            for r in range(tp)
+        ]
         for process in self.engines:
             process.start()
         self.shape = (dp, tp)
@@ -636,9 +729,10 @@ class CPUEngineCluster:
         """Per engine, per engine TP rank: ({"parameters", "buffers", "requests", "flushes"}, sglang's warnings since
         the load)."""
         import torch
+
         dp, tp = self.shape
         states = [(torch.load(io.BytesIO(data)), log) for data, log in self._engine_command("weights")]
-        return [states[e * tp:(e + 1) * tp] for e in range(dp)]
+        return [states[e * tp : (e + 1) * tp] for e in range(dp)]
 
     def cpu_tensor_ipc_pickle(self):
         return self._engine_command("ipc_pickle")[0]
@@ -650,7 +744,7 @@ class CPUEngineCluster:
         return self._gather(self.trainer_results)
 
     def start(self, folder, out_dir, **options):
-        """train.SGLangEngine on every trainer rank for the checkpoint in folder; per engine, its owner's record."""
+        """engines.start_engine on every trainer rank for the checkpoint in folder; per engine, its owner's record."""
         return [r for r in self.trainer("start", folder=folder, out_dir=out_dir, **options) if r is not None]
 
     def _stop_engines(self):

@@ -1,5 +1,6 @@
 """Checkpoints and resume through torchrun: k steps + resume + k steps equals 2k steps exactly, a kill at any
 moment leaves a loadable checkpoint, and the HF folder loads with from_pretrained and holds the trained weights."""
+
 import json
 import os
 import pathlib
@@ -17,14 +18,26 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+import checkpoint
+import launch
 import reward
 import train
 from demo_model import demo_config, demo_tokenizer
 from test_train import ROOT, metrics, torchrun
 from workers import run_ranks
 
-FLAGS = ("--preset", "cpu", "--eval_every", "3", "--eval_prompts", "4", "--warmup_steps", "2",
-         "--lr_schedule", "cosine")
+FLAGS = (
+    "--preset",
+    "cpu",
+    "--eval_every",
+    "3",
+    "--eval_prompts",
+    "4",
+    "--warmup_steps",
+    "2",
+    "--lr_schedule",
+    "cosine",
+)
 TIMING = ("time_", "eta_s")
 
 
@@ -35,8 +48,12 @@ def logged(out_dir):
 
 def hf_weights(out_dir, step):
     folder = os.path.join(out_dir, "checkpoints", f"step_{step:06d}", "hf")
-    return {k: v for name in os.listdir(folder) if name.endswith(".safetensors")
-            for k, v in load_file(os.path.join(folder, name)).items()}
+    return {
+        k: v
+        for name in os.listdir(folder)
+        if name.endswith(".safetensors")
+        for k, v in load_file(os.path.join(folder, name)).items()
+    }
 
 
 def test_k_steps_resume_k_steps_equals_2k_steps(tmp_path):
@@ -61,26 +78,27 @@ def test_k_steps_resume_k_steps_equals_2k_steps(tmp_path):
 def test_hf_folder_loads_with_from_pretrained_and_holds_the_trained_weights(tmp_path):
     run = torchrun(2, "--preset", "cpu", "--steps", "2", "--eval_every", "0", "--out_dir", str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]
-    checkpoint = tmp_path / "checkpoints" / "step_000002"
-    model = AutoModelForCausalLM.from_pretrained(checkpoint / "hf")
+    folder = tmp_path / "checkpoints" / "step_000002"
+    model = AutoModelForCausalLM.from_pretrained(folder / "hf")
     # The export loads as it was trained: the tokenizer (AutoTokenizer and train.py --model alike) gives the
     # training ids and round-trips; config and generation config carry the stop and pad ids; files are 0644.
     trained_with = demo_tokenizer()
-    for tokenizer in (AutoTokenizer.from_pretrained(checkpoint / "hf"),
-                      train.load_tokenizer_and_config(train.Config(model=str(checkpoint / "hf"), max_new_tokens=1),
-                                                      [{"prompt": ""}])[0]):
+    for tokenizer in (
+        AutoTokenizer.from_pretrained(folder / "hf"),
+        train.load_tokenizer_and_config(train.Config(model=str(folder / "hf"), max_new_tokens=1), [{"prompt": ""}])[0],
+    ):
         for text in ("Say a:", "a b\n\tc  d", string.printable):
             ids = tokenizer(text, add_special_tokens=False).input_ids
             assert ids == trained_with(text, add_special_tokens=False).input_ids and tokenizer.decode(ids) == text
         assert reward.stop_token_ids(tokenizer) == reward.stop_token_ids(trained_with)
     stop_ids, pad_id = reward.stop_token_ids(trained_with), trained_with.pad_token_id
-    generation = GenerationConfig.from_pretrained(checkpoint / "hf")
+    generation = GenerationConfig.from_pretrained(folder / "hf")
     assert (model.config.eos_token_id, model.config.pad_token_id) == (stop_ids, pad_id)
     assert (generation.eos_token_id, generation.pad_token_id) == (stop_ids, pad_id)
-    for name in os.listdir(checkpoint / "hf"):
-        assert stat.S_IMODE(os.stat(checkpoint / "hf" / name).st_mode) == 0o644, name
+    for name in os.listdir(folder / "hf"):
+        assert stat.S_IMODE(os.stat(folder / "hf" / name).st_mode) == 0o644, name
     # The distributed checkpoint, converted by torch's own tool, is an independent copy of the trained weights.
-    dcp_to_torch_save(checkpoint / "dcp", tmp_path / "full.pt")
+    dcp_to_torch_save(folder / "dcp", tmp_path / "full.pt")
     trained = torch.load(tmp_path / "full.pt", weights_only=False)["model"]
     for name, param in model.named_parameters():  # a tied lm_head is embed_tokens itself, and saved as that
         assert torch.equal(param, trained[name]), name
@@ -130,10 +148,27 @@ def kill_tree(pid):
 
 
 def test_a_kill_at_a_random_moment_loses_at_most_the_steps_since_the_last_checkpoint(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           "--preset", "cpu", "--steps", "200", "--save_every", "1", "--eval_every", "0", "--out_dir", str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        "--preset",
+        "cpu",
+        "--steps",
+        "200",
+        "--save_every",
+        "1",
+        "--eval_every",
+        "0",
+        "--out_dir",
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not os.path.exists(tmp_path / "checkpoints" / "step_000004"):
@@ -146,8 +181,19 @@ def test_a_kill_at_a_random_moment_loses_at_most_the_steps_since_the_last_checkp
     last = max(int(n.split("_")[1]) for n in saved)
     logged_steps = len(metrics(tmp_path))
     assert last >= 4 and logged_steps - last <= 1  # a kill loses at most the step in flight
-    resumed = torchrun(2, "--preset", "cpu", "--steps", str(last + 2), "--eval_every", "0", "--resume", "auto",
-                       "--out_dir", str(tmp_path))
+    resumed = torchrun(
+        2,
+        "--preset",
+        "cpu",
+        "--steps",
+        str(last + 2),
+        "--eval_every",
+        "0",
+        "--resume",
+        "auto",
+        "--out_dir",
+        str(tmp_path),
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming {tmp_path}/checkpoints/step_{last:06d}... " in resumed.stdout
     assert [row["step"] for row in metrics(tmp_path)] == list(range(1, last + 3))
@@ -159,10 +205,30 @@ def test_a_kill_at_a_random_moment_loses_at_most_the_steps_since_the_last_checkp
 def test_sigterm_or_ctrl_c_to_torchrun_finishes_the_step_saves_and_exits(sig, tmp_path):
     """SIGTERM: what a scheduler sends before preempting the job. Ctrl-C in a terminal reaches torchrun alone (its
     ranks run in sessions of their own), which forwards it to every rank."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           "--preset", "cpu", "--steps", "500", "--eval_every", "0", "--out_dir", str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        "--preset",
+        "cpu",
+        "--steps",
+        "500",
+        "--eval_every",
+        "0",
+        "--out_dir",
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -183,13 +249,36 @@ def test_sigterm_or_ctrl_c_to_torchrun_finishes_the_step_saves_and_exits(sig, tm
 def test_a_save_that_fails_for_lack_of_space_removes_its_tmp_folder_and_says_so_once(tmp_path):
     """A file-size limit (as a full disk) makes the checkpoint's writes fail with EFBIG: the run stops with one line
     naming the checkpoint, and no step_N.tmp is left for --resume to trip on."""
+
     def limit_file_size():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails instead of killing
         resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # the tiny model's weights are ~350 KB
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           "--preset", "cpu", "--steps", "2", "--eval_every", "0", "--out_dir", str(tmp_path)]
-    run = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                         timeout=300, preexec_fn=limit_file_size)
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        "--preset",
+        "cpu",
+        "--steps",
+        "2",
+        "--eval_every",
+        "0",
+        "--out_dir",
+        str(tmp_path),
+    ]
+    run = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit_file_size,
+    )
     out = run.stdout + run.stderr
     assert run.returncode != 0
     assert out.count("checkpoints/step_000002 failed (") == 1, out[-3000:]
@@ -204,13 +293,14 @@ def save_two_checkpoints_recording_syncs(rank, world, out_dir):
     events, sync, replace = [], os.sync, os.replace
     os.sync = lambda: events.append(("sync", sorted(str(p) for p in pathlib.Path(out_dir).rglob("*")))) or sync()
     os.replace = lambda src, dst: events.append(("replace", str(src), str(dst))) or replace(src, dst)
-    par = train.parallel_groups("cpu", 1)
+    par = launch.parallel_groups("cpu", 1)
     cfg, config = train.Config(model="tiny", out_dir=out_dir), demo_config()
     model = train.build_model(config, par.mesh, torch.device("cpu"))
-    train.load_weights([model], [None], cfg, config, par.world)
+    checkpoint.load_weights([model], [None], cfg, config, par.world_group)
     optimizer = torch.optim.AdamW(model.parameters())
     for step in (1, 2):
-        train.save_checkpoint(cfg, step, model, optimizer, demo_tokenizer(), None, par.world)
+        weights = train.full_weights(model, torch.float32)
+        checkpoint.save(cfg, step, model, optimizer, demo_tokenizer(), weights, None, par.world_group)
     return events
 
 
@@ -222,25 +312,35 @@ def test_a_checkpoint_is_on_disk_before_its_rename_and_the_rename_after_it(tmp_p
     final = str(tmp_path / "checkpoints" / "step_000001")
     rename = events.index(("replace", final + ".tmp", final))
     kind, before = events[rename - 1]
-    on_disk = {os.path.join(root, name).replace(final, final + ".tmp") for root, folders, files in os.walk(final)
-               for name in folders + files}
+    on_disk = {
+        os.path.join(root, name).replace(final, final + ".tmp")
+        for root, folders, files in os.walk(final)
+        for name in folders + files
+    }
     assert kind == "sync" and on_disk <= set(before) and len(on_disk) >= 8  # dcp/, hf/, trainer_state.json
     assert events[rename + 1] == ("sync", events[rename + 1][1]) and final in events[rename + 1][1]
     assert (tmp_path / "checkpoints" / "step_000002").is_dir()
 
 
 def test_a_damaged_checkpoint_stops_its_resume_in_one_line_naming_the_file_and_auto_takes_the_newest_whole_one(
-        tmp_path, capsys):
+    tmp_path, capsys
+):
     run_ranks(save_two_checkpoints_recording_syncs, 1, str(tmp_path))
     first, second = (str(tmp_path / "checkpoints" / f"step_{step:06d}") for step in (1, 2))
     model = demo_config()
-    resume = lambda path: train.resume_folder(train.Config(model="tiny", out_dir=str(tmp_path), resume=path), model)
+
+    def resume(path):
+        return checkpoint.find_resume(train.Config(model="tiny", out_dir=str(tmp_path), resume=path), model)
+
     assert resume("auto")[:2] == (second, 2)
     [shard] = [name for name in os.listdir(f"{second}/dcp") if name.endswith(".distcp")]
     with open(f"{second}/dcp/{shard}", "r+b") as f:  # cut short, as by a full disk or a copy that stopped
         f.truncate(100)
-    with pytest.raises(SystemExit, match=f"--resume {second}: not a whole checkpoint \\(dcp/{shard} is not the \\d+ "
-                                         "bytes saved\\): --resume auto takes the newest whole one"):
+    with pytest.raises(
+        SystemExit,
+        match=f"--resume {second}: not a whole checkpoint \\(dcp/{shard} is not the \\d+ "
+        "bytes saved\\): --resume auto takes the newest whole one",
+    ):
         resume(second)
     os.remove(f"{first}/hf/model.safetensors")
     with pytest.raises(SystemExit, match=f"not a whole checkpoint \\(No such file or directory: {first}/hf/model"):

@@ -1,4 +1,5 @@
 """The data stage: problems, datasets, tokenizers, prompt rendering, per-step sharding of prompts, and flags."""
+
 import copy
 import dataclasses
 import importlib.util
@@ -13,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import checkpoint
 import reward
 import train
 from demo_model import demo_config, demo_tokenizer
@@ -136,8 +138,10 @@ def test_addition_splits_are_disjoint_and_each_item_is_graded_by_its_sum():
 # gsm8k from a local file
 
 GSM8K_ROWS = [
-    {"question": "A farm has 1,000 hens and buys 234 more. How many hens does it have?",
-     "answer": "It has 1000 + 234 = <<1000+234=1234>>1234 hens.\n#### 1,234"},
+    {
+        "question": "A farm has 1,000 hens and buys 234 more. How many hens does it have?",
+        "answer": "It has 1000 + 234 = <<1000+234=1234>>1234 hens.\n#### 1,234",
+    },
     {"question": "Tom has 3 apples and eats one. How many are left?", "answer": "3 - 1 = 2\n#### 2"},
 ]
 
@@ -179,6 +183,7 @@ def test_gsm8k_from_a_local_folder_of_jsonl_splits(tmp_path, datasets_cache):
 def test_gsm8k_from_a_local_folder_of_parquet_splits(tmp_path, datasets_cache):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
+
     folder = tmp_path / "gsm8k"
     folder.mkdir()
     pq.write_table(pa.Table.from_pylist(GSM8K_ROWS), folder / "train.parquet")
@@ -192,8 +197,10 @@ def test_data_path_is_read_for_a_generated_task_too(tmp_path, datasets_cache):
     rows = [{"nums": [3, 5, 25], "target": 80}, {"nums": [2, 7], "target": 14}]
     folder = jsonl_splits(tmp_path / "countdown", rows, rows[1:])
     cfg = train.Config(task="countdown", data_path=folder, prompts_per_step=2)
-    assert [(item["nums"], item["target"]) for item in train.PromptDataset(cfg, "train")] == [([3, 5, 25], 80),
-                                                                                               ([2, 7], 14)]
+    assert [(item["nums"], item["target"]) for item in train.PromptDataset(cfg, "train")] == [
+        ([3, 5, 25], 80),
+        ([2, 7], 14),
+    ]
     assert [item["nums"] for item in train.PromptDataset(cfg, "test")] == [[2, 7]]
     assert reward.load_rows("countdown", "train", "", 5, 2, 0) == reward.countdown_problems(7, 0)[2:]  # no path
 
@@ -205,10 +212,18 @@ def test_any_task_name_parses_and_one_without_data_stops_naming_the_flag_and_the
 
 
 MATH_ROWS = [
-    {"problem": "What is $\\frac{2}{4}$ in lowest terms?", "level": "Level 1", "type": "Prealgebra",
-     "solution": "Divide both by 2: $\\frac{2}{4} = \\boxed{\\frac{1}{2}}$."},
-    {"problem": "Solve $x^2 = 2$ for $x > 0$.", "level": "Level 2", "type": "Algebra",
-     "solution": "Take the root: $x = \\boxed{\\sqrt{2}}$."},
+    {
+        "problem": "What is $\\frac{2}{4}$ in lowest terms?",
+        "level": "Level 1",
+        "type": "Prealgebra",
+        "solution": "Divide both by 2: $\\frac{2}{4} = \\boxed{\\frac{1}{2}}$.",
+    },
+    {
+        "problem": "Solve $x^2 = 2$ for $x > 0$.",
+        "level": "Level 2",
+        "type": "Algebra",
+        "solution": "Take the root: $x = \\boxed{\\sqrt{2}}$.",
+    },
 ]
 
 
@@ -252,8 +267,9 @@ def test_encode_prompt_with_chat_template_renders_chatml_and_generation_prompt(q
     def enc(text):
         return tok(text, add_special_tokens=False).input_ids
 
-    expected = [IM_START] + enc("user\n" + MESSAGES[0]["content"]) + [IM_END] + enc("\n") + [IM_START] + enc(
-        "assistant\n")
+    expected = (
+        [IM_START] + enc("user\n" + MESSAGES[0]["content"]) + [IM_END] + enc("\n") + [IM_START] + enc("assistant\n")
+    )
     assert ids == expected
     assert ids[0] == IM_START and ids[-3:] == enc("<|im_start|>assistant\n") == [IM_START, 77091, 198]
 
@@ -295,6 +311,7 @@ def test_stop_token_ids_of_llama_3_are_those_its_config_ends_on():
     [128001, 128008, 128009], at each of which SGLang stops; the trainer must stop (and see a stop) at each too."""
     import tokenizers
     from transformers import PreTrainedTokenizerFast
+
     ids = {"a": 0, "<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|eom_id|>": 128008, "<|eot_id|>": 128009}
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(ids, unk_token="a"))
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
@@ -372,8 +389,12 @@ def test_step_items_never_repeats_a_row_within_an_epoch():
     cfg = train.Config(prompts_per_step=8, seed=0)
     dataset = list(range(43))  # 5 steps an epoch; 3 rows left over
     for epoch in range(2):
-        seen = [row for step in range(5 * epoch, 5 * epoch + 5) for r in range(2)
-                for row in train.step_items(dataset, step, cfg, r, 2)]
+        seen = [
+            row
+            for step in range(5 * epoch, 5 * epoch + 5)
+            for r in range(2)
+            for row in train.step_items(dataset, step, cfg, r, 2)
+        ]
         assert len(seen) == len(set(seen)) == 40
     assert train.step_items(dataset, 0, cfg, 0, 2) != train.step_items(dataset, 5, cfg, 0, 2)  # reshuffled
 
@@ -405,18 +426,21 @@ def test_an_item_without_a_reward_field_names_getitem_to_edit(tmp_path, datasets
     class NoAnswer(train.PromptDataset):
         def __getitem__(self, i):
             return {k: v for k, v in super().__getitem__(i).items() if k != "answer"}
+
     with pytest.raises(SystemExit, match="'answer'.*PromptDataset.__getitem__"):
         NoAnswer(cfg, "train")
-
 
 
 def test_data_files_that_cannot_be_read_or_rows_without_a_field_stop_in_one_line_naming_them(tmp_path, datasets_cache):
     """An empty file, a line that is not JSON, and rows without a field that __getitem__ reads (or null in it): one
     SystemExit each, naming --data_path or the row, where there were tracebacks from datasets or __getitem__."""
     good = {"question": "1 + 1?", "answer": "#### 2"}
-    cases = {"empty": ("", "StopIteration"), "broken": (json.dumps(good) + '\n{"question": 1 +\n', "ValueError"),
-             "no_field": (json.dumps({"problem": "1 + 1?", "answer": "#### 2"}) + "\n", "row 0 .*KeyError: 'question'"),
-             "null": (json.dumps(good) + "\n" + json.dumps({"question": "2 + 2?"}) + "\n", "row 1 .*AttributeError")}
+    cases = {
+        "empty": ("", "StopIteration"),
+        "broken": (json.dumps(good) + '\n{"question": 1 +\n', "ValueError"),
+        "no_field": (json.dumps({"problem": "1 + 1?", "answer": "#### 2"}) + "\n", "row 0 .*KeyError: 'question'"),
+        "null": (json.dumps(good) + "\n" + json.dumps({"question": "2 + 2?"}) + "\n", "row 1 .*AttributeError"),
+    }
     for name, (text, why) in cases.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "train.jsonl").write_text(text)
@@ -425,14 +449,21 @@ def test_data_files_that_cannot_be_read_or_rows_without_a_field_stop_in_one_line
             train.PromptDataset(cfg, "train")
         assert (str(tmp_path / name) if name in ("empty", "broken") else "check --data_path's rows") in str(stop.value)
 
+
 # ---------------------------------------------------------------------------------------------------------------
 # parse_config and check_config
 
 
 def test_cpu_preset_sets_its_values_and_keeps_other_defaults():
     cfg = train.parse_config(["--preset", "cpu"])
-    assert (cfg.model, cfg.task, cfg.steps, cfg.lr, cfg.prompts_per_step, cfg.group_size) == ("tiny", "toy", 30,
-                                                                                                1e-2, 8, 8)
+    assert (cfg.model, cfg.task, cfg.steps, cfg.lr, cfg.prompts_per_step, cfg.group_size) == (
+        "tiny",
+        "toy",
+        30,
+        1e-2,
+        8,
+        8,
+    )
     assert (cfg.max_new_tokens, cfg.warmup_steps, cfg.micro_batch_size, cfg.out_dir) == (16, 0, 32, "runs/cpu")
     assert (cfg.train_size, cfg.test_size) == (1000, 100)
     assert (cfg.clip_low, cfg.clip_high, cfg.tp, cfg.seed) == (0.2, 0.28, 1, 0)  # not in the preset: defaults
@@ -456,39 +487,60 @@ def test_unknown_flag_exits_naming_it(capsys):
     assert "unrecognized arguments: --lr_typo 3" in capsys.readouterr().err  # argparse's line, after its usage
 
 
-@pytest.mark.parametrize("flags, world, flag", [
-    (dict(tp=2), 3, "--tp"),
-    (dict(tp=2, prompts_per_step=6), 8, "--prompts_per_step"),  # dp = 4
-    (dict(prompts_per_step=8, group_size=3, num_minibatches=5), 2, "--num_minibatches"),  # 12 samples a rank
-    (dict(group_size=1), 1, "--group_size"),
-    (dict(loss_agg="constant", beta=-0.1), 1, "--beta"),
-    (dict(kl_in_reward=True), 1, "--kl_in_reward"),  # beta 0: nothing to subtract
-    (dict(overlong_buffer=-1), 1, "--overlong_buffer"),
-    (dict(overlong_buffer=2000, max_new_tokens=1024), 1, "--overlong_buffer"),
-    (dict(dynamic_sampling_rounds=-2), 1, "--dynamic_sampling_rounds"),
-    (dict(lr=-1e-6), 1, "--lr must be a number from 0 up"), (dict(steps=0), 1, "--steps must be a number from 1 up"),
-    (dict(lr=math.nan), 1, "--lr must be a number from 0 up, not nan"), (dict(lr=math.inf), 1, "--lr .* not inf"),
-    (dict(reward_timeout=math.inf), 1, "--reward_timeout"), (dict(max_grad_norm=math.nan), 1, "--max_grad_norm"),
-    (dict(temperature=0.0), 1, "--temperature must be above 0: greedy samples are all alike"),
-    (dict(temperature=-1.0), 1, "--temperature"), (dict(temperature=math.nan), 1, "--temperature"),
-    (dict(clip_high=-0.5), 1, "--clip_high"), (dict(weight_decay=-1.0), 1, "--weight_decay"),
-    (dict(bucket_mb=0), 1, "--bucket_mb"), (dict(model="runs/x", out_dir="runs/x/"), 1, "--out_dir must differ from"),
-    (dict(reward_timeout=0), 1, "--reward_timeout"), (dict(keep_checkpoints=0), 1, "--keep_checkpoints"),
-    (dict(sample_every=-1), 1, "--sample_every"),
-    (dict(max_tokens_per_microbatch=-1), 1, "--max_tokens_per_microbatch"),
-    (dict(is_mode="mask"), 1, "--tis_cap"),  # masking acts through the cap, which is 0
-    (dict(is_level="sequence", tis_cap=0.5), 1, "--tis_cap"),
-    (dict(top_p=0.0), 1, "--top_p must be above 0 and at most 1"), (dict(top_p=1.5), 1, "--top_p"),
-    (dict(top_p=math.nan), 1, "--top_p"), (dict(mem_fraction=1.0), 1, "--mem_fraction is a share"),
-    (dict(mem_fraction=0.0), 1, "--mem_fraction"), (dict(mem_fraction=math.nan), 1, "--mem_fraction"),
-])
+@pytest.mark.parametrize(
+    "flags, world, flag",
+    [
+        (dict(tp=2), 3, "--tp"),
+        (dict(tp=2, prompts_per_step=6), 8, "--prompts_per_step"),  # dp = 4
+        (dict(prompts_per_step=8, group_size=3, num_minibatches=5), 2, "--num_minibatches"),  # 12 samples a rank
+        (dict(group_size=1), 1, "--group_size"),
+        (dict(loss_agg="constant", beta=-0.1), 1, "--beta"),
+        (dict(kl_in_reward=True), 1, "--kl_in_reward"),  # beta 0: nothing to subtract
+        (dict(overlong_buffer=-1), 1, "--overlong_buffer"),
+        (dict(overlong_buffer=2000, max_new_tokens=1024), 1, "--overlong_buffer"),
+        (dict(dynamic_sampling_rounds=-2), 1, "--dynamic_sampling_rounds"),
+        (dict(lr=-1e-6), 1, "--lr must be a number from 0 up"),
+        (dict(steps=0), 1, "--steps must be a number from 1 up"),
+        (dict(lr=math.nan), 1, "--lr must be a number from 0 up, not nan"),
+        (dict(lr=math.inf), 1, "--lr .* not inf"),
+        (dict(reward_timeout=math.inf), 1, "--reward_timeout"),
+        (dict(max_grad_norm=math.nan), 1, "--max_grad_norm"),
+        (dict(temperature=0.0), 1, "--temperature must be above 0: greedy samples are all alike"),
+        (dict(temperature=-1.0), 1, "--temperature"),
+        (dict(temperature=math.nan), 1, "--temperature"),
+        (dict(clip_high=-0.5), 1, "--clip_high"),
+        (dict(weight_decay=-1.0), 1, "--weight_decay"),
+        (dict(bucket_mb=0), 1, "--bucket_mb"),
+        (dict(model="runs/x", out_dir="runs/x/"), 1, "--out_dir must differ from"),
+        (dict(reward_timeout=0), 1, "--reward_timeout"),
+        (dict(keep_checkpoints=0), 1, "--keep_checkpoints"),
+        (dict(sample_every=-1), 1, "--sample_every"),
+        (dict(max_tokens_per_microbatch=-1), 1, "--max_tokens_per_microbatch"),
+        (dict(is_mode="mask"), 1, "--tis_cap"),  # masking acts through the cap, which is 0
+        (dict(is_level="sequence", tis_cap=0.5), 1, "--tis_cap"),
+        (dict(top_p=0.0), 1, "--top_p must be above 0 and at most 1"),
+        (dict(top_p=1.5), 1, "--top_p"),
+        (dict(top_p=math.nan), 1, "--top_p"),
+        (dict(mem_fraction=1.0), 1, "--mem_fraction is a share"),
+        (dict(mem_fraction=0.0), 1, "--mem_fraction"),
+        (dict(mem_fraction=math.nan), 1, "--mem_fraction"),
+    ],
+)
 def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):
     with pytest.raises(SystemExit, match=flag):
         train.check_config(train.Config(**flags), world)
 
 
-@pytest.mark.parametrize("flag, value", [("--loss_agg", "mean"), ("--kl_estimator", "k4"), ("--engine", "vllm"),
-                                         ("--lr_schedule", "linear"), ("--preset", "gpu9000")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--loss_agg", "mean"),
+        ("--kl_estimator", "k4"),
+        ("--engine", "vllm"),
+        ("--lr_schedule", "linear"),
+        ("--preset", "gpu9000"),
+    ],
+)
 def test_a_choice_outside_its_list_is_refused_naming_the_flag_and_the_choices(flag, value, capsys):
     with pytest.raises(SystemExit):
         train.parse_config([flag, value])
@@ -526,8 +578,10 @@ def test_prompts_that_leave_no_room_for_max_new_tokens_stop_the_run_naming_the_f
     # reaches 512 - 6 (tp_worker: max_req_input_len = context - 1 - 5); a tool turn's input is the prompt and up to
     # --max_new_tokens - 1 tokens of response. It also ends responses at 512 - 2 tokens in all.
     train.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=506 - longest), items)  # fits exactly
-    with pytest.raises(SystemExit, match=f"{longest} tokens\\) and --max_new_tokens {507 - longest} exceed the context "
-                                         "length 512 less 6"):
+    with pytest.raises(
+        SystemExit,
+        match=f"{longest} tokens\\) and --max_new_tokens {507 - longest} exceed the context length 512 less 6",
+    ):
         train.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=507 - longest), items)
 
 
@@ -538,8 +592,10 @@ def test_reference_answers_that_do_not_parse_are_none_and_counted_in_a_printed_w
     items.append({"prompt": "q", "task": "math", "answer": reward.last_boxed("no boxed answer")})  # None
     assert [reward.reward_fn("\\boxed{72}", item) for item in items] == [1.0, 0.0, 0.0, 0.0, 0.0]  # None: 0, no raise
     assert reward.check_items(items, "train") is None
-    assert capsys.readouterr().out == ("warning: 3 of 5 train items have a reference answer that does not parse, so "
-                                       "every reward on them is 0; the first is item 2\n")
+    assert capsys.readouterr().out == (
+        "warning: 3 of 5 train items have a reference answer that does not parse, so "
+        "every reward on them is 0; the first is item 2\n"
+    )
     reward.check_items(items, "train", warn=False)  # ranks but the first: silent
     reward.check_items(items[:2], "train")
     assert capsys.readouterr().out == ""
@@ -548,10 +604,14 @@ def test_reference_answers_that_do_not_parse_are_none_and_counted_in_a_printed_w
 def test_a_reward_fn_that_fails_on_every_item_stops_the_run_in_one_line(monkeypatch, capsys):
     def broken(completion, item):
         raise ZeroDivisionError("division by zero")
+
     monkeypatch.setattr(reward, "reward_fn", broken)
     items = [{"prompt": "q", "task": "toy", "target": "a"}] * 100
-    with pytest.raises(SystemExit, match=r"reward_fn fails on each of the first 64 train items \(ZeroDivisionError: "
-                                         r"division by zero\): fix reward_fn in reward.py"):
+    with pytest.raises(
+        SystemExit,
+        match=r"reward_fn fails on each of the first 64 train items \(ZeroDivisionError: "
+        r"division by zero\): fix reward_fn in reward.py",
+    ):
         reward.check_items(items, "train")
     calls = iter(range(1000))
     monkeypatch.setattr(reward, "reward_fn", lambda c, s: 1 / (next(calls) % 2))  # fails on half: a model's fault
@@ -560,22 +620,23 @@ def test_a_reward_fn_that_fails_on_every_item_stops_the_run_in_one_line(monkeypa
 
 
 def fake_checkpoint(out_dir, step, **config_changes):
-    """A checkpoint folder as resume_folder reads it: trainer_state.json (the flags saved) and hf/config.json."""
-    checkpoint = out_dir / "checkpoints" / f"step_{step:06d}"
-    demo_config(vocab_size=103).save_pretrained(checkpoint / "hf")
+    """A checkpoint folder as find_resume reads it: trainer_state.json (the flags saved) and hf/config.json."""
+    folder = out_dir / "checkpoints" / f"step_{step:06d}"
+    demo_config(vocab_size=103).save_pretrained(folder / "hf")
     config = dataclasses.asdict(train.Config(out_dir=str(out_dir), **config_changes))
-    (checkpoint / "trainer_state.json").write_text(json.dumps(dict(step=step, wandb_id="w", config=config)))
-    return str(checkpoint)
+    (folder / "trainer_state.json").write_text(json.dumps(dict(step=step, wandb_id="w", config=config)))
+    return str(folder)
 
 
 def test_resuming_a_checkpoint_of_another_model_is_refused_before_loading(tmp_path):
-    checkpoint = fake_checkpoint(tmp_path, 4)
+    folder = fake_checkpoint(tmp_path, 4)
     cfg = train.Config(out_dir=str(tmp_path), resume="auto")
-    assert train.resume_folder(cfg, demo_config(vocab_size=103)) == (checkpoint, 4, "w")
+    assert checkpoint.find_resume(cfg, demo_config(vocab_size=103)) == (folder, 4, "w")
     bigger = demo_config(vocab_size=103, hidden_size=128)
-    with pytest.raises(SystemExit, match=f"--resume {checkpoint} is of another model \\(hidden_size 64, "
-                                         "--model's 128\\): pass its --model"):
-        train.resume_folder(cfg, bigger)
+    with pytest.raises(
+        SystemExit, match=f"--resume {folder} is of another model \\(hidden_size 64, --model's 128\\): pass its --model"
+    ):
+        checkpoint.find_resume(cfg, bigger)
 
 
 def test_a_run_that_would_overwrite_later_checkpoints_is_refused_and_changed_flags_are_named(tmp_path, capsys):
@@ -586,15 +647,20 @@ def test_a_run_that_would_overwrite_later_checkpoints_is_refused_and_changed_fla
     for resume, step in ((earlier, 2), ("", 0)):
         refusal = f"--out_dir {tmp_path} holds checkpoints after step {step} ({latest}): --resume auto continues"
         with pytest.raises(SystemExit, match=re.escape(refusal + " the newest; else delete them, or use another")):
-            train.resume_folder(train.Config(out_dir=str(tmp_path), resume=resume, lr=0.5), model)
-    assert train.resume_folder(train.Config(out_dir=str(tmp_path), resume="auto", lr=0.5), model) == (latest, 4, "w")
+            checkpoint.find_resume(train.Config(out_dir=str(tmp_path), resume=resume, lr=0.5), model)
+    assert checkpoint.find_resume(train.Config(out_dir=str(tmp_path), resume="auto", lr=0.5), model) == (latest, 4, "w")
     assert capsys.readouterr().out == ""  # the same flags: nothing to say
     cfg = train.Config(out_dir=str(tmp_path), resume="auto", lr=0.25, seed=3)
-    assert train.resume_folder(cfg, model) == (latest, 4, "w")
-    assert capsys.readouterr().out == f"resuming {latest} with flags changed since it was saved: --lr 0.5 -> 0.25, " \
-                                      "--seed 0 -> 3\n"
+    assert checkpoint.find_resume(cfg, model) == (latest, 4, "w")
+    assert (
+        capsys.readouterr().out == f"resuming {latest} with flags changed since it was saved: --lr 0.5 -> 0.25, "
+        "--seed 0 -> 3\n"
+    )
     elsewhere = tmp_path / "elsewhere"  # an earlier checkpoint into an out_dir of its own: a branch, allowed
-    assert train.resume_folder(train.Config(out_dir=str(elsewhere), resume=earlier, lr=0.5), model)[:2] == (earlier, 2)
+    assert checkpoint.find_resume(train.Config(out_dir=str(elsewhere), resume=earlier, lr=0.5), model)[:2] == (
+        earlier,
+        2,
+    )
 
 
 def test_a_token_budget_below_the_longest_sample_is_refused_naming_both_flags():
@@ -602,8 +668,11 @@ def test_a_token_budget_below_the_longest_sample_is_refused_naming_both_flags():
     cfg = train.Config(model="tiny", max_new_tokens=16)
     for budget in (0, 42, 100):  # 0: fixed micro-batches
         train.load_tokenizer_and_config(dataclasses.replace(cfg, max_tokens_per_microbatch=budget), items)
-    with pytest.raises(SystemExit, match=r"--max_tokens_per_microbatch 41 is below the longest sample: 26 prompt "
-                                         r"tokens \+ --max_new_tokens 16"):
+    with pytest.raises(
+        SystemExit,
+        match=r"--max_tokens_per_microbatch 41 is below the longest sample: 26 prompt "
+        r"tokens \+ --max_new_tokens 16",
+    ):
         train.load_tokenizer_and_config(dataclasses.replace(cfg, max_tokens_per_microbatch=41), items)
 
 
@@ -616,9 +685,11 @@ def test_the_python_tool_with_a_task_whose_prompts_do_not_offer_it_is_refused(ta
 
 
 def test_resuming_a_checkpoint_already_at_steps_says_so(tmp_path):
-    checkpoint = fake_checkpoint(tmp_path, 4)
+    folder = fake_checkpoint(tmp_path, 4)
     for steps in (4, 3):
-        with pytest.raises(SystemExit, match=f"--resume {re.escape(checkpoint)} is at step 4, --steps {steps}: raise "
-                                             "--steps to go on"):
-            train.resume_folder(train.Config(out_dir=str(tmp_path), resume="auto", steps=steps),
-                                demo_config(vocab_size=103))
+        with pytest.raises(
+            SystemExit, match=f"--resume {re.escape(folder)} is at step 4, --steps {steps}: raise --steps to go on"
+        ):
+            checkpoint.find_resume(
+                train.Config(out_dir=str(tmp_path), resume="auto", steps=steps), demo_config(vocab_size=103)
+            )

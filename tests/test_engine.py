@@ -1,12 +1,16 @@
 """The CPU rollout engine: sampled ids kept exactly (stop token included), its logprobs, seeding, weight pushes
 from a sharded policy to the TP group's one engine, and the broadcast of rollouts to the other ranks of a tp group."""
+
 import random
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import engines
+import launch
 import reward
+import sandbox
 import train
 from demo_model import demo_config, demo_tokenizer
 from test_parallel import save_reference, sharded_model, tiny_config
@@ -20,7 +24,7 @@ def tiny_engine(seed=0):
     config = tiny_config("qwen2", False)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    engine = train.HFEngine(config, torch.device("cpu"))
+    engine = engines.HFEngine(config, torch.device("cpu"))
     engine.update(list(model.named_parameters()), None)  # HFEngine loads the bucket itself: no group needed
     return engine, model
 
@@ -70,7 +74,7 @@ def test_engine_logprobs_are_those_of_the_tempered_distribution_it_samples():
     for prompt, (ids, logprobs) in zip(PROMPTS, outputs):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + ids])).logits[0].double()
-        want = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1:-1]
+        want = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1 : -1]
         want = want.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
         assert (logprobs.double() - want).abs().max() < 1e-5
 
@@ -92,42 +96,49 @@ def test_greedy_decoding_at_temperature_zero():
     with torch.no_grad():
         for _ in range(6):
             ids.append(model(torch.tensor([ids])).logits[0, -1].argmax().item())
-    assert sampled == ids[len(PROMPTS[0]):]
+    assert sampled == ids[len(PROMPTS[0]) :]
 
 
 def push_then_generate(rank, world, folder, dp, tp):
     """A sharded policy pushes its weights; the tp group's first rank generates and scores, the group receives."""
     config = AutoConfig.from_pretrained(folder)
     state = AutoModelForCausalLM.from_pretrained(folder).state_dict()
-    par = train.parallel_groups("cpu", tp)
+    par = launch.parallel_groups("cpu", tp)
     model = sharded_model(folder, par)
     owner = par.mesh["tp"].get_local_rank() == 0
-    engine = train.HFEngine(config, torch.device("cpu")) if owner else train.Engine()  # as train.main
+    engine = engines.start_engine(train.Config(engine="hf"), config, par, torch.device("cpu"))  # as train.main
     if owner:  # start from other weights, so a push that does nothing cannot pass
-        engine.update([(n, torch.zeros_like(p)) for n, p in engine.model.named_parameters()], par.tp)
-    train.push_weights(model, engine, train.Config(engine="hf", bucket_mb=1), par)
+        engine.update([(n, torch.zeros_like(p)) for n, p in engine.model.named_parameters()], par.tp_group)
+    bucket_mb = 1
+    engines.push_weights(train.full_weights(model, engine.push_dtype), engine, bucket_mb, par.tp_group)
     cfg = train.Config(group_size=3, max_new_tokens=8, temperature=1.0)
     items = [{"prompt": "ab", "task": "toy", "target": "a"}, {"prompt": "cde", "task": "toy", "target": "b"}]
     repeated = [item for item in items for _ in range(cfg.group_size)]  # G samples per prompt, as collect_rollouts
     tokenizer = demo_tokenizer()
-    workers = reward.RewardWorkers(1, timeout=5.0)
+    workers = sandbox.RewardWorkers(reward.reward_fn, 1, timeout=5.0)
     try:
-        samples, errors = train.on_first_rank(
-            lambda: train.generate_rollouts(engine, workers, tokenizer, repeated, cfg, 5, 1.0), par.tp)
+        samples, errors = launch.on_first_rank(
+            par.tp_group, train.generate_rollouts, engine, workers, tokenizer, repeated, cfg, 5, 1.0
+        )
     finally:
         workers.close()
     with torch.no_grad():
         trainer_logp, _ = train.response_logprobs(model, samples, cfg, par.mesh["tp"])
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     scores_right = errors == [] and [s.score for s in samples] == [
-        reward.toy_reward(text, item["target"]) for text, item in zip(texts, repeated)]
+        reward.toy_reward(text, item["target"]) for text, item in zip(texts, repeated)
+    ]
     engine_logp = torch.tensor([lp for s in samples for lp in s.engine_logprobs])
     weights_equal = not owner or all(torch.equal(p, state[k]) for k, p in engine.model.named_parameters())
     stop_ids = reward.stop_token_ids(tokenizer)
     finish_right = all(s.truncated == (s.response_ids[-1] not in stop_ids) for s in samples)
-    return {"ids": [(s.prompt_ids, s.response_ids) for s in samples], "weights_equal": weights_equal,
-            "finish_right": finish_right and len(samples) == 6, "scores_right": scores_right,
-            "mismatch": (trainer_logp - engine_logp).abs().max().item()}
+    return {
+        "ids": [(s.prompt_ids, s.response_ids) for s in samples],
+        "weights_equal": weights_equal,
+        "finish_right": finish_right and len(samples) == 6,
+        "scores_right": scores_right,
+        "mismatch": (trainer_logp - engine_logp).abs().max().item(),
+    }
 
 
 def test_pushed_weights_reach_the_engine_and_scored_rollouts_reach_every_tp_rank(tmp_path):
@@ -144,16 +155,19 @@ def test_pushed_weights_reach_the_engine_and_scored_rollouts_reach_every_tp_rank
 
 def bucket_plan(rank, world, folder, dp, tp, bucket_bytes):
     reference = AutoModelForCausalLM.from_pretrained(folder)
-    par = train.parallel_groups("cpu", tp)
+    par = launch.parallel_groups("cpu", tp)
     model = sharded_model(folder, par)
     want = dict(reference.named_parameters())
-    buckets = list(train.weight_buckets(model, bucket_bytes, torch.bfloat16))
+    buckets = list(engines.weight_buckets(train.full_weights(model, torch.bfloat16), bucket_bytes))
     tensors = [t for bucket in buckets for _, t in bucket]
-    return {"names": [[n for n, _ in bucket] for bucket in buckets], "want_names": list(want),
-            "bytes": [[t.numel() * t.element_size() for _, t in bucket] for bucket in buckets],
-            "plain": all(type(t) is torch.Tensor for t in tensors),
-            "bf16": all(t.dtype == torch.bfloat16 for t in tensors),
-            "exact": all(torch.equal(t, want[n].detach().to(torch.bfloat16)) for b in buckets for n, t in b)}
+    return {
+        "names": [[n for n, _ in bucket] for bucket in buckets],
+        "want_names": list(want),
+        "bytes": [[t.numel() * t.element_size() for _, t in bucket] for bucket in buckets],
+        "plain": all(type(t) is torch.Tensor for t in tensors),
+        "bf16": all(t.dtype == torch.bfloat16 for t in tensors),
+        "exact": all(torch.equal(t, want[n].detach().to(torch.bfloat16)) for b in buckets for n, t in b),
+    }
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -181,9 +195,11 @@ def test_score_samples_shapes_each_reward_by_the_overlong_penalty_and_flags_what
     stop = tokenizer.eos_token_id
     responses = [[a, stop], [b] * 7 + [stop], [a] * 10]  # 2, 8 and 10 tokens of --max_new_tokens 10; the last cut
     items = [{"prompt": "Say a:", "task": "toy", "target": "a"}] * 3
-    workers = reward.RewardWorkers(1, timeout=5.0)
+    samples = [train.Sample([1], r) for r in responses]
+    cfg = train.Config(max_new_tokens=10, overlong_buffer=4)
+    workers = sandbox.RewardWorkers(reward.reward_fn, 1, timeout=5.0)
     try:
-        samples, errors = workers.score_samples([train.Sample([1], r) for r in responses], items, tokenizer, 10, 4)
+        errors = train.score_samples(samples, items, workers, tokenizer, cfg)
     finally:
         workers.close()
     scores = [reward.reward_fn(tokenizer.decode(r, skip_special_tokens=True), items[0]) for r in responses]
@@ -200,28 +216,38 @@ def informative_or_flat(completion, item):
 
 
 def collect(rank, world, dataset, rounds, overlong_buffer):
-    par = train.parallel_groups("cpu", 1)
+    par = launch.parallel_groups("cpu", 1)
     tokenizer = demo_tokenizer()
     config = demo_config()
-    engine = train.HFEngine(config, torch.device("cpu"))
-    cfg = train.Config(prompts_per_step=4, group_size=3, max_new_tokens=max(2, overlong_buffer),
-                       dynamic_sampling_rounds=rounds, overlong_buffer=overlong_buffer)
-    workers = reward.RewardWorkers(2, timeout=5.0)
+    engine = engines.HFEngine(config, torch.device("cpu"))
+    cfg = train.Config(
+        prompts_per_step=4,
+        group_size=3,
+        max_new_tokens=max(2, overlong_buffer),
+        dynamic_sampling_rounds=rounds,
+        overlong_buffer=overlong_buffer,
+    )
+    workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=5.0)
     try:
         samples, errors, dropped = train.collect_rollouts(engine, workers, dataset, tokenizer, cfg, 7, par)
     finally:
         workers.close()
-    groups = [samples[i:i + 3] for i in range(0, len(samples), 3)]
+    groups = [samples[i : i + 3] for i in range(0, len(samples), 3)]
     # The items each round drew, for an independent count of what should have happened.
     drawn = [train.step_items(dataset, 7, cfg, 0, 1, r) for r in range(rounds + 1)]
-    return [[s.prompt_ids for s in g] for g in groups], [[s.score for s in g] for g in groups], errors, \
-        dropped, [[item["flat"] for item in items] for items in drawn], [s.reward - s.score for s in samples]
+    return (
+        [[s.prompt_ids for s in g] for g in groups],
+        [[s.score for s in g] for g in groups],
+        errors,
+        dropped,
+        [[item["flat"] for item in items] for items in drawn],
+        [s.reward - s.score for s in samples],
+    )
 
 
 # With an overlong penalty over all 40 tokens, responses that the random model stops at different lengths are shaped
 # apart: a group is flat by reward_fn's score alone (DAPO), not by the shaped reward.
-@pytest.mark.parametrize("flat_share, rounds, overlong_buffer", [(0.5, 0, 0), (0.5, 30, 0), (0.9, 1, 0),
-                                                                 (0.5, 30, 40)])
+@pytest.mark.parametrize("flat_share, rounds, overlong_buffer", [(0.5, 0, 0), (0.5, 30, 0), (0.9, 1, 0), (0.5, 30, 40)])
 def test_dynamic_sampling_refills_dropped_groups_and_counts_them(monkeypatch, flat_share, rounds, overlong_buffer):
     monkeypatch.setattr(reward, "reward_fn", informative_or_flat)  # the workers fork with it
     dataset = [{"prompt": f"row {i}", "flat": i < flat_share * 40} for i in range(40)]
@@ -233,7 +259,7 @@ def test_dynamic_sampling_refills_dropped_groups_and_counts_them(monkeypatch, fl
     # Expected, round by round: informative groups are kept until there are 4; flat ones are dropped, and fill
     # the batch only when the rounds run out.
     kept, seen_flat = 0, 0
-    for rows in (drawn if rounds else drawn[:1]):
+    for rows in drawn if rounds else drawn[:1]:
         kept += sum(not f for f in rows)
         seen_flat += sum(rows)
         if kept >= 4:
@@ -249,8 +275,8 @@ def test_dynamic_sampling_refills_dropped_groups_and_counts_them(monkeypatch, fl
 
 # ----------------------------------------------------------------------------- what the engine can take
 def check_sharded_names(rank, world, folder):
-    par = train.parallel_groups("cpu", world)
-    train.check_pushed_names(sharded_model(folder, par), AutoConfig.from_pretrained(folder))  # full shapes
+    par = launch.parallel_groups("cpu", world)
+    engines.check_pushed_names(sharded_model(folder, par), AutoConfig.from_pretrained(folder))  # full shapes
     return True
 
 
@@ -265,17 +291,17 @@ def test_a_name_the_engines_model_lacks_stops_the_run_naming_it():
     model = AutoModelForCausalLM.from_config(config)
     config.architectures = ["Qwen2ForCausalLM"]
     with pytest.raises(SystemExit, match=r"model\.layers\.0\.self_attn\.q_norm\.weight as \[8\].*Qwen2ForCausalLM"):
-        train.check_pushed_names(model, config)
+        engines.check_pushed_names(model, config)
     # A fork that adds a parameter the engine's model does not have (a value head).
     config = tiny_config("qwen2", True)
     config.architectures = ["Qwen2ForCausalLM"]  # as in a checkpoint's config.json
     model = AutoModelForCausalLM.from_config(config)
     model.value_head = torch.nn.Linear(config.hidden_size, 1)
     with pytest.raises(SystemExit, match=r"value_head\.weight as \[1, 32\], the engine's Qwen2ForCausalLM has it as"):
-        train.check_pushed_names(model, config)
+        engines.check_pushed_names(model, config)
     # A fork that compiles the policy: every name gains "_orig_mod.", which SGLang skips with only a warning.
     with pytest.raises(SystemExit, match=r"_orig_mod\.model\.embed_tokens\.weight as \[96, 32\]"):
-        train.check_pushed_names(torch.compile(AutoModelForCausalLM.from_config(config)), config)
+        engines.check_pushed_names(torch.compile(AutoModelForCausalLM.from_config(config)), config)
 
 
 def test_a_weight_the_trainer_never_pushes_stops_the_run_naming_it():
@@ -284,13 +310,13 @@ def test_a_weight_the_trainer_never_pushes_stops_the_run_naming_it():
     engine_config = tiny_config("qwen3", True)
     engine_config.architectures = ["Qwen3ForCausalLM"]
     with pytest.raises(SystemExit, match=r"layers\.0\.self_attn\.k_norm\.weight as None, .* Qwen3\w* has it as \[8\]"):
-        train.check_pushed_names(model, engine_config)
+        engines.check_pushed_names(model, engine_config)
 
 
 def test_a_config_without_architectures_stops_the_run_saying_so():
     config = tiny_config("qwen2", False)  # built in code: no `architectures`, which SGLang reads to pick its class
     with pytest.raises(SystemExit, match="architectures"):
-        train.check_pushed_names(AutoModelForCausalLM.from_config(config), config)
+        engines.check_pushed_names(AutoModelForCausalLM.from_config(config), config)
 
 
 def test_a_shape_the_engines_model_does_not_expect_stops_the_run_naming_it():
@@ -298,4 +324,4 @@ def test_a_shape_the_engines_model_does_not_expect_stops_the_run_naming_it():
     engine_config = tiny_config("qwen2", False)
     engine_config.vocab_size, engine_config.architectures = 128, ["Qwen2ForCausalLM"]
     with pytest.raises(SystemExit, match=r"model\.embed_tokens\.weight as \[96, 32\], .* has it as \[128, 32\]"):
-        train.check_pushed_names(model, engine_config)
+        engines.check_pushed_names(model, engine_config)

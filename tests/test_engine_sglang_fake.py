@@ -3,8 +3,10 @@ engine cannot start on a CPU, so it alone is replaced and the trainer's code run
 0.5.17 / 0.5.23 API in tests/sglang_api.md: start-up arguments, the port (held by the engine from start, so a taken
 one fails) and the environment the engine inherits, weight pushes as flattened bf16 buckets (one serialized payload
 per engine TP rank, gathered from the trainer ranks), the 0.5.21+ weight-update session, memory release / resume
-bookkeeping, the output format of generate, and shutdown's SIGKILL of every child process. SGLangEngine waits on a
-process group at start: single-process tests run in a one-rank gloo group (`world`), the others in run_ranks."""
+bookkeeping, the output format of generate, and shutdown's SIGKILL of every child process. engines.start_engine
+waits on the job's process group at start: single-process tests run in a one-rank gloo group (`world`), the others in
+run_ranks."""
+
 import os
 import socket
 
@@ -14,7 +16,9 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 
 pytest.importorskip("sglang.srt.utils", reason="needs sglang: pip install --no-deps -r requirements-sglang-cpu.txt")
+import engines  # noqa: E402
 import fake_sglang_engine  # noqa: E402
+import launch  # noqa: E402
 import train  # noqa: E402
 from demo_model import demo_config  # noqa: E402
 from sglang_cpu_engine import trainer_model  # noqa: E402
@@ -27,7 +31,7 @@ MEMORY_CHECK = "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"
 
 @pytest.fixture
 def world():
-    """A one-rank gloo process group, as `python train.py` makes: SGLangEngine binds its port, then waits on it."""
+    """A one-rank gloo process group, as `python train.py` makes: start_engine binds its port, then waits on it."""
     assert not dist.is_initialized(), "a process group left initialized by an earlier test"
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     yield dist.group.WORLD
@@ -39,8 +43,9 @@ def sglang(monkeypatch, tmp_path, world):
     """The real sglang, whose Engine a test swaps for a fake (undone after); the environment and the working
     folder restored after, the fakes' ports closed."""
     import sglang
+
     monkeypatch.setattr(sglang, "Engine", fake_sglang_engine.Engine)
-    for name in (AGENT_STORE, MEMORY_CHECK):  # SGLangEngine sets them; monkeypatch puts back what was there
+    for name in (AGENT_STORE, MEMORY_CHECK):  # the owner sets them; monkeypatch puts back what was there
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     monkeypatch.delenv("LOCAL_RANK", raising=False)  # a single process: local rank 0
@@ -51,13 +56,17 @@ def sglang(monkeypatch, tmp_path, world):
     fake_sglang_engine.STARTED.clear()
 
 
+def start_on_one_rank(cfg, model_config):
+    """engines.start_engine on the one-rank job, which owns its engine; as main calls it."""
+    return engines.start_engine(cfg, model_config, launch.parallel_groups("cpu", 1), torch.device("cpu"))
+
+
 def start(sglang, kind="Engine", **cfg):
     """An SGLangEngine (this rank owns it) whose sglang.Engine is the fake of the given kind; returns it and the
     fake."""
     sglang.Engine = getattr(fake_sglang_engine, kind)  # the fixture puts the real one back afterwards
-    engine = train.SGLangEngine(train.Config(engine="sglang", **cfg), tiny_config("qwen2", True), True,
-                                dist.group.WORLD)
-    assert engine.engine.calls == [WARM_UP]
+    engine = start_on_one_rank(train.Config(engine="sglang", **cfg), tiny_config("qwen2", True))
+    assert isinstance(engine, engines.SGLangEngine) and engine.engine.calls == [WARM_UP]
     engine.engine.calls.clear()
     return engine, engine.engine
 
@@ -68,6 +77,7 @@ WARM_UP = ("generate", 1, {"max_new_tokens": 1})
 
 def test_engine_processes_ignore_the_jobs_signals_and_the_trainers_handlers_come_back(sglang):
     import signal
+
     handler = signal.getsignal(signal.SIGTERM)
     engine, fake = start(sglang)
     assert set(fake.signals_at_start.values()) == {signal.SIG_IGN}  # torchrun signals whole process groups
@@ -78,8 +88,10 @@ def test_engine_starts_with_the_arguments_the_design_needs(sglang, tmp_path, mon
     monkeypatch.setenv(AGENT_STORE, "True")  # as torchrun sets it
     monkeypatch.setenv("LOCAL_RANK", "4")  # the TP group's first rank, on the node's fifth GPU
     config = tiny_config("qwen3", False)
-    cfg = train.Config(engine_port=31000, mem_fraction=0.3, seed=7, out_dir=str(tmp_path / "out"), tp=2)
-    fake = train.SGLangEngine(cfg, config, True, dist.group.WORLD).engine
+    cfg = train.Config(
+        engine="sglang", engine_port=31000, mem_fraction=0.3, seed=7, out_dir=str(tmp_path / "out"), tp=2
+    )
+    fake = start_on_one_rank(cfg, config).engine
     kw = fake.kwargs
     assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] is True and kw["dtype"] == "bfloat16"
     assert (kw["tp_size"], kw["dp_size"], kw["base_gpu_id"]) == (2, 1, 4)
@@ -91,8 +103,15 @@ def test_engine_starts_with_the_arguments_the_design_needs(sglang, tmp_path, mon
     assert os.path.dirname(kw["model_path"]) == cfg.out_dir
     written = fake.model_config
     assert written["model_type"] == "qwen3"
-    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                  "head_dim", "tie_word_embeddings"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "tie_word_embeddings",
+    ):
         assert written[field] == getattr(config, field), field
 
 
@@ -123,10 +142,12 @@ def test_the_default_port_is_a_free_one_not_the_old_fixed_one(sglang, monkeypatc
 def start_engines_on_one_node(rank, world, folder, engine_port):
     """Two TP groups of one rank on one node, each starting its engine at the same time."""
     import sglang
+
     sglang.Engine = fake_sglang_engine.Engine  # in this forked rank only
     os.environ["LOCAL_RANK"] = str(rank)
     cfg = train.Config(engine="sglang", engine_port=engine_port, out_dir=folder)
-    engine = train.SGLangEngine(cfg, tiny_config("qwen2", True), True, dist.group.WORLD)
+    par = launch.parallel_groups("cpu", 1)  # dp 2: two TP groups of one rank
+    engine = engines.start_engine(cfg, tiny_config("qwen2", True), par, torch.device("cpu"))
     dist.barrier()  # both engines running, each holding its port
     return engine.engine.kwargs["nccl_port"], engine.engine.kwargs["base_gpu_id"]
 
@@ -146,17 +167,25 @@ def test_engine_config_names_the_model_class(sglang, tmp_path):
     assert [type(AutoModelForCausalLM.from_config(tiny)).__name__] == tiny.architectures
     saved = AutoConfig.from_pretrained(save_reference(tmp_path / "qwen3", "qwen3", True))  # a checkpoint's config
     for config, arch in ((tiny, "Qwen2ForCausalLM"), (saved, "Qwen3ForCausalLM")):
-        cfg = train.Config(out_dir=str(tmp_path / "out"))
-        fake = train.SGLangEngine(cfg, config, True, dist.group.WORLD).engine
+        cfg = train.Config(engine="sglang", out_dir=str(tmp_path / "out"))
+        fake = start_on_one_rank(cfg, config).engine
         assert fake.model_config.get("architectures") == [arch]
 
 
 # ----------------------------------------------------------------------------- weight pushes
 def push_config():
     """Big enough (~1.7 MB of bf16) that 1 MB buckets hold several tensors and a push takes two buckets."""
-    return Qwen3Config(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
-                       tie_word_embeddings=False)
+    return Qwen3Config(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
 
 
 def expected_buckets(sizes, bound):
@@ -173,37 +202,51 @@ def push_calls(kind, buckets, tp):
     """What a push after release_memory asks of the engine: the weights resumed, the updates (in a session from
     0.5.21), the cache flushed, then the KV cache resumed."""
     session = kind == "SessionEngine"
-    return ([("resume", ["weights"])] + [("begin",)] * session + [("update", tp, "flattened_bucket", False)] * buckets
-            + [("end",)] * session + [("flush_cache",), ("resume", ["kv_cache"])])
+    return (
+        [("resume", ["weights"])]
+        + [("begin",)] * session
+        + [("update", tp, "flattened_bucket", False)] * buckets
+        + [("end",)] * session
+        + [("flush_cache",), ("resume", ["kv_cache"])]
+    )
 
 
 def push_through_fake(rank, world, folder, dp, tp, kind):
     import sglang
+
     sglang.Engine = getattr(fake_sglang_engine, kind)  # in this forked rank only
     torch.multiprocessing.set_sharing_strategy("file_system")  # shared memory named after the producer's pid
     os.environ["LOCAL_RANK"] = str(rank)
     config = AutoConfig.from_pretrained(folder)
     reference = AutoModelForCausalLM.from_pretrained(folder)
-    par = train.parallel_groups("cpu", tp)
+    par = launch.parallel_groups("cpu", tp)
     model = trainer_model(folder, par)
     cfg = train.Config(engine="sglang", tp=tp, bucket_mb=1, out_dir=os.path.join(folder, "out"))
     owner = par.mesh["tp"].get_local_rank() == 0
-    engine = train.SGLangEngine(cfg, config, owner, par.world)  # on every rank, as main does
+    engine = engines.start_engine(cfg, config, par, torch.device("cpu"))  # on every rank, as main does
     pids = [None] * tp
-    dist.all_gather_object(pids, str(os.getpid()), group=par.tp)
+    dist.all_gather_object(pids, str(os.getpid()), group=par.tp_group)
     engine.release_memory()  # as main does before the first push and after every step's rollouts
-    train.push_weights(model, engine, cfg, par)
+    engines.push_weights(train.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
     if not owner:
-        return {"engine": engine.engine, "config_written": os.path.exists(os.path.join(cfg.out_dir,
-                                                                                       f"engine_model_rank{rank}"))}
+        peer = isinstance(engine, engines.SGLangPeer) and not hasattr(engine, "engine")  # no sglang.Engine here
+        config_written = os.path.exists(os.path.join(cfg.out_dir, f"engine_model_rank{rank}"))
+        return {"peer": peer, "config_written": config_written}
     fake = engine.engine
     want = {n: p.detach().to(torch.bfloat16) for n, p in reference.named_parameters()}
-    return {"calls": fake.calls, "port": fake.kwargs["nccl_port"], "gpu": fake.kwargs["base_gpu_id"],
-            "names": [sorted(w) for w in fake.weights], "want_names": sorted(want),
-            "exact": [all(torch.equal(w[n], t) for n, t in want.items()) for w in fake.weights],
-            "dtypes": sorted({str(t.dtype) for w in fake.weights for t in w.values()}),
-            "buckets": expected_buckets([t.numel() * 2 for t in want.values()], 1 << 20),
-            "producers": fake.producers, "tp_pids": [{pid} for pid in pids], "offload_tags": fake.offload_tags}
+    return {
+        "calls": fake.calls,
+        "port": fake.kwargs["nccl_port"],
+        "gpu": fake.kwargs["base_gpu_id"],
+        "names": [sorted(w) for w in fake.weights],
+        "want_names": sorted(want),
+        "exact": [all(torch.equal(w[n], t) for n, t in want.items()) for w in fake.weights],
+        "dtypes": sorted({str(t.dtype) for w in fake.weights for t in w.values()}),
+        "buckets": expected_buckets([t.numel() * 2 for t in want.values()], 1 << 20),
+        "producers": fake.producers,
+        "tp_pids": [{pid} for pid in pids],
+        "offload_tags": fake.offload_tags,
+    }
 
 
 @pytest.mark.parametrize("kind", ["Engine", "SessionEngine"])  # 0.5.17, and 0.5.21+ with begin/end_weight_update
@@ -214,7 +257,7 @@ def test_push_delivers_every_weight_exactly_to_every_engine_tp_rank(kind, dp, tp
     results = run_ranks(push_through_fake, dp * tp, str(tmp_path), dp, tp, kind)
     owners = [r for r in results if "calls" in r]
     assert owners == results[::tp]  # one engine per TP group, on the group's first rank
-    assert [r for r in results if r not in owners] == [{"engine": None, "config_written": False}] * (dp * tp - dp)
+    assert [r for r in results if r not in owners] == [{"peer": True, "config_written": False}] * (dp * tp - dp)
     assert len({r["port"] for r in owners}) == dp  # each engine on a port of its own
     assert [r["gpu"] for r in owners] == [g * tp for g in range(dp)]  # base_gpu_id: the group's first local rank
     for r in owners:
@@ -229,7 +272,7 @@ def test_push_delivers_every_weight_exactly_to_every_engine_tp_rank(kind, dp, tp
 @pytest.mark.parametrize("kind", ["Engine", "SessionEngine"])
 def test_released_memory_is_resumed_weights_first_then_kv_cache_after_the_flush(sglang, kind):
     engine, fake = start(sglang, kind)
-    par = train.parallel_groups("cpu", 1)
+    par = launch.parallel_groups("cpu", 1)
     cfg = train.Config(engine="sglang", bucket_mb=1)
     for step in range(2):  # two training steps, each with new weights
         torch.manual_seed(step)
@@ -237,7 +280,7 @@ def test_released_memory_is_resumed_weights_first_then_kv_cache_after_the_flush(
         engine.release_memory()  # after the rollouts: both the KV cache and the weights
         assert [(c[0], sorted(c[1])) for c in fake.calls] == [("release", ["kv_cache", "weights"])]
         assert fake.offload_tags == {"kv_cache", "weights"}
-        train.push_weights(model, engine, cfg, par)
+        engines.push_weights(train.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
         buckets = expected_buckets([p.numel() * 2 for p in model.parameters()], 1 << 20)
         assert buckets >= 2 and fake.calls[1:] == push_calls(kind, buckets, 1)
         assert not fake.offload_tags
@@ -259,8 +302,9 @@ def test_a_failed_weight_update_raises_with_sglangs_message(sglang):
     engine, fake = start(sglang, "FailingEngine")
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2", True))
     engine.release_memory()
+    cfg, par = train.Config(engine="sglang"), launch.parallel_groups("cpu", 1)
     with pytest.raises(RuntimeError, match="SGLang weight update failed: boom"):
-        train.push_weights(model, engine, train.Config(engine="sglang"), train.parallel_groups("cpu", 1))
+        engines.push_weights(train.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
     assert [c[0] for c in fake.calls] == ["release", "resume", "update"]  # the first bucket stops the push
 
 
@@ -283,15 +327,30 @@ def test_generate_keeps_ids_exactly_with_the_stop_token(sglang):
     assert len(outputs[2][0]) == limit and outputs[2][0][-1] in stop
 
 
-def test_a_rank_that_does_not_own_the_engine_starts_nothing(sglang, tmp_path):
-    """Every rank of the job constructs SGLangEngine (the port and the barrier are collective); only the owner
-    starts sglang and writes the engine's config. The others' steps do nothing."""
-    sglang.Engine = fake_sglang_engine.Engine
-    cfg = train.Config(engine="sglang", out_dir=str(tmp_path / "out"))
-    engine = train.SGLangEngine(cfg, tiny_config("qwen2", True), False, dist.group.WORLD)
-    assert engine.engine is None and not fake_sglang_engine.STARTED and not (tmp_path / "out").exists()
+def start_on_a_tp_group_of_two(rank, world, out_dir):
+    """start_engine on both ranks of one TP group; what the rank that does not own the engine got and did."""
+    import sglang
+
+    sglang.Engine = fake_sglang_engine.Engine  # in this forked rank only
+    os.environ["LOCAL_RANK"] = str(rank)
+    par = launch.parallel_groups("cpu", 2)
+    engine = engines.start_engine(
+        train.Config(engine="sglang", tp=2, out_dir=out_dir), tiny_config("qwen2", True), par, torch.device("cpu")
+    )
+    if rank == 0:
+        engine.engine.port.close()
+        return None
     for step in (engine.release_memory, engine.begin_update, engine.end_update, engine.shutdown):
         step()
+    config_written = os.path.exists(os.path.join(out_dir, f"engine_model_rank{rank}"))
+    return type(engine), hasattr(engine, "engine"), fake_sglang_engine.STARTED, config_written
+
+
+def test_a_rank_that_does_not_own_the_engine_starts_nothing(tmp_path):
+    """Every rank of the job calls start_engine (the port and the barrier are collective); only the owner starts
+    sglang and writes the engine's config. The others get an SGLangPeer, whose steps do nothing."""
+    kind, has_engine, started, config_written = run_ranks(start_on_a_tp_group_of_two, 2, str(tmp_path / "out"))[1]
+    assert kind is engines.SGLangPeer and not has_engine and not started and not config_written
 
 
 # ----------------------------------------------------------------------------- config
@@ -306,16 +365,18 @@ def test_sglang_engine_without_a_gpu_says_to_use_the_hf_engine(sglang):
 TEARDOWN = """
 import sys, psutil, sglang, wandb
 import torch.distributed as dist
-import fake_sglang_engine, reward, train
+import torch
+import engines, fake_sglang_engine, launch, reward, sandbox, train
 from test_parallel import tiny_config
 sglang.Engine = fake_sglang_engine.SessionEngine
 dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # as main without torchrun
-workers = reward.RewardWorkers(2, timeout=5.0)
+workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=5.0)
 print("scores", workers.score(["a", "b"], [{"task": "toy", "target": "a"}] * 2)[0])  # idle, waiting on the pool
 run = wandb.init(project="teardown", mode="offline", dir=sys.argv[1])  # its service is a child of this process
-engine = train.SGLangEngine(train.Config(engine="sglang", out_dir=sys.argv[1]), tiny_config("qwen2", True), True,
-                            dist.group.WORLD)
-train.shut_down(engine, workers, run)
+par = launch.parallel_groups("cpu", 1)
+engine = engines.start_engine(train.Config(engine="sglang", out_dir=sys.argv[1]), tiny_config("qwen2", True), par,
+                              torch.device("cpu"))
+launch.shut_down(engine, workers, run)
 print("children left", psutil.Process().children(recursive=True))
 """
 
@@ -325,11 +386,19 @@ def test_shutdown_with_sglangs_kill_of_every_child_neither_hangs_nor_leaves_a_pr
     pool's lock (the pool's close then hangs forever) and wandb's service (its finish() then raises)."""
     import subprocess
     import sys
+
     import psutil
+
     tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]), WANDB_SILENT="true")
-    process = subprocess.Popen([sys.executable, "-c", TEARDOWN, str(tmp_path)], cwd=tmp_path, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", TEARDOWN, str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=60)
     finally:  # a hung shutdown leaves the pool's respawned workers behind (each in its own session): end them too
@@ -344,15 +413,19 @@ def test_shutdown_with_sglangs_kill_of_every_child_neither_hangs_nor_leaves_a_pr
 
 def score_rows_holding_tensors_after_sglangs_patch(rank, world):
     from multiprocessing.reduction import ForkingPickler
+
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
     import reward
+    import sandbox
+
     monkey_patch_torch_reductions()  # as on a GPU, in the trainer's process
     try:
         ForkingPickler.dumps(torch.zeros(2))
         patch_breaks_cpu_tensors = False
     except IndexError:
         patch_breaks_cpu_tensors = True
-    workers = reward.RewardWorkers(1, timeout=5.0)
+    workers = sandbox.RewardWorkers(reward.reward_fn, 1, timeout=5.0)
     try:
         return patch_breaks_cpu_tensors, workers.score(["a"], [{"task": "toy", "target": "a", "ids": torch.ones(3)}])
     finally:

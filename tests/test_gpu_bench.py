@@ -1,6 +1,7 @@
 """benchmarks/gpu.py, the GPU benchmark, run end to end on this CPU at tiny sizes (--preset cpu): every row filled
 with finite numbers and labelled as a CPU run; its SGLang path against the fake sglang.Engine (the real sglang
 package otherwise); its FLOP formula against a count by hand for Qwen2.5-0.5B."""
+
 import json
 import math
 import os
@@ -30,8 +31,14 @@ def chat_model(tmp_path_factory):
 
 
 def python(*args):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
 
 
 def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_run(chat_model, tmp_path):
@@ -71,7 +78,7 @@ def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_ru
         race = value["race", trainer]
         assert race["steps"] == 2 and 0 <= race["accuracy after"] <= 1 and race["s/step"] > 0
     # The printed table: every line of it says it is a CPU run.
-    printed = run.stdout[run.stdout.index("\nCPU RUN, not GPU figures: cpu;"):].strip().splitlines()
+    printed = run.stdout[run.stdout.index("\nCPU RUN, not GPU figures: cpu;") :].strip().splitlines()
     assert len(printed) == 2 + len(table["rows"]) and all(line.startswith("CPU RUN") for line in printed[2:])
 
 
@@ -89,7 +96,8 @@ print(json.dumps([dict(fp32_lm_head=e.kwargs.get("enable_fp32_lm_head"), calls=e
 
 
 def test_the_sglang_path_drives_sglang_as_train_py_does_and_starts_the_bf16_engine_without_fp32_logits(
-        chat_model, tmp_path):
+    chat_model, tmp_path
+):
     pytest.importorskip("sglang")
     run = python("-c", FAKE_SGLANG, "--out_dir", str(tmp_path), "--smollm2", chat_model)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -99,8 +107,9 @@ def test_the_sglang_path_drives_sglang_as_train_py_does_and_starts_the_bf16_engi
     assert all(e["calls"][-1] == ["shutdown"] for e in engines)
     generate = [c[2] for c in engines[0]["calls"] if c[0] == "generate"]
     # train.py's path asks with its own per-request params, stops dropped; the direct call with one dict, ignore_eos.
-    assert any(isinstance(p, list) and all(q["stop_token_ids"] == [] and q["max_new_tokens"] == 8 for q in p)
-               for p in generate)
+    assert any(
+        isinstance(p, list) and all(q["stop_token_ids"] == [] and q["max_new_tokens"] == 8 for q in p) for p in generate
+    )
     assert {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "ignore_eos": True} in generate
     calls = engines[0]["calls"]  # no prefix cached by an earlier run: a flush before each generation but the first
     assert all(calls[i - 1] == ["flush_cache"] for i, c in enumerate(calls) if c[0] == "generate" and i > 0)
@@ -125,7 +134,7 @@ def test_flops_of_a_qwen2_5_0_5b_forward_match_a_count_by_hand():
     answered = train.Sample([1] * 100, [2] * 50, [True] * 50)  # 150 tokens, the last 50 sampled
     # 2 x 357,826,560 x 150 + 2 x 24 x 150^2 x 896 + 2 x 136,134,656 x 50
     # = 107,347,968,000 + 967,680,000 + 13,613,465,600
-    assert 2 * layers * 150 + 2 * 24 * 150 ** 2 * attention + 2 * lm_head * 50 == 121_929_113_600
+    assert 2 * layers * 150 + 2 * 24 * 150**2 * attention + 2 * lm_head * 50 == 121_929_113_600
     assert gpu.forward_flops(config, [answered]) == 121_929_113_600
     with_tool = train.Sample([1] * 100, [2] * 50, [True] * 30 + [False] * 20)  # 20 tokens of tool output: no logits
     assert gpu.forward_flops(config, [answered, with_tool]) == 2 * 121_929_113_600 - 2 * lm_head * 20

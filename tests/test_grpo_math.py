@@ -1,16 +1,18 @@
 """Advantages, loss, KL, entropy, log-probs and the schedule against float64 references written from the formulas."""
+
 import math
 import statistics
 
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from transformers import AutoModelForCausalLM
 
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+import launch
 import train
-from test_parallel import VOCAB, make_samples, save_reference, sharded_model, tiny_config
 from live_logits import LiveLogits
+from test_parallel import VOCAB, make_samples, save_reference, sharded_model, tiny_config
 from workers import run_ranks
 
 
@@ -18,7 +20,7 @@ def test_group_advantages_normalise_within_each_group():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 3.0])
     adv = train.group_advantages(rewards, 4).tolist()
     for g in range(2):
-        group = rewards[4 * g:4 * g + 4].tolist()
+        group = rewards[4 * g : 4 * g + 4].tolist()
         mean, std = statistics.mean(group), statistics.stdev(group)  # unbiased, as torch.std
         for i, r in enumerate(group):
             assert adv[4 * g + i] == pytest.approx((r - mean) / (std + 1e-6), rel=1e-6)
@@ -51,7 +53,7 @@ def reference_loss(logp, old, adv, weights, lo, hi, beta, ref, coef, ent, estima
 def kl_estimate(log_ratio, estimator):
     """Schulman's estimators of KL(p || p_ref) from one sample of p, with log_ratio = log p - log p_ref."""
     ratio_ref = math.exp(-log_ratio)  # p_ref / p
-    return {"k1": log_ratio, "k2": log_ratio ** 2 / 2, "k3": ratio_ref - 1 - math.log(ratio_ref)}[estimator]
+    return {"k1": log_ratio, "k2": log_ratio**2 / 2, "k3": ratio_ref - 1 - math.log(ratio_ref)}[estimator]
 
 
 def random_tokens(n=64, seed=0):
@@ -70,8 +72,19 @@ def test_policy_loss_value_and_gradient_match_the_formula(estimator):
     logp, old, adv, ref, ent, weights = random_tokens()
     cfg = train.Config(clip_low=0.2, clip_high=0.28, beta=0.05, kl_estimator=estimator, entropy_coef=0.01)
     loss, metrics = train.policy_loss(logp, old, adv, weights, cfg, ref, ent)
-    expected = reference_loss(logp.tolist(), old.tolist(), adv.tolist(), weights.tolist(), 0.2, 0.28, 0.05,
-                              ref.tolist(), 0.01, ent.tolist(), estimator)
+    expected = reference_loss(
+        logp.tolist(),
+        old.tolist(),
+        adv.tolist(),
+        weights.tolist(),
+        0.2,
+        0.28,
+        0.05,
+        ref.tolist(),
+        0.01,
+        ent.tolist(),
+        estimator,
+    )
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     loss.backward()
     # d/dlogp: -r A where the unclipped term is the minimum (0 where clipping holds it), plus beta dKL/dlogp:
@@ -118,15 +131,19 @@ def test_one_extreme_log_ratio_is_clamped_and_counted_instead_of_overflowing_the
 def empty_responses_step(rank, world, folder, empty):
     """A step on samples of which `empty` have no sampled token (a custom engine may return an empty response)."""
     torch.manual_seed(0)
-    par = train.parallel_groups("cpu", 1)
+    par = launch.parallel_groups("cpu", 1)
     model = sharded_model(folder, par)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     samples = make_samples(4, seed=6)
-    for i in range(empty):
+    for _ in range(empty):
         samples.insert(0, train.Sample(prompt_ids=[5, 6, 7], advantage=1.0))
     train.train_on_rollouts(model, optimizer, samples, train.Config(micro_batch_size=2), par)
-    return {k: v.numpy().copy() for k, v in get_model_state_dict(  # numpy: tensors would travel as file descriptors
-        model, options=StateDictOptions(full_state_dict=True)).items()}
+    return {
+        k: v.numpy().copy()
+        for k, v in get_model_state_dict(  # numpy: tensors would travel as file descriptors
+            model, options=StateDictOptions(full_state_dict=True)
+        ).items()
+    }
 
 
 def test_a_micro_batch_of_empty_responses_trains_and_changes_nothing(tmp_path):
@@ -139,8 +156,18 @@ def test_policy_loss_without_entropies_has_no_bonus_and_logs_zero_entropy():
     logp, old, adv, ref, _, weights = random_tokens(seed=2)
     cfg = train.Config(beta=0.05, entropy_coef=0.01)
     loss, metrics = train.policy_loss(logp, old, adv, weights, cfg, ref, entropy=None)
-    expected = reference_loss(logp.tolist(), old.tolist(), adv.tolist(), weights.tolist(), 0.2, 0.28, 0.05,
-                              ref.tolist(), 0.0, [0.0] * len(logp))
+    expected = reference_loss(
+        logp.tolist(),
+        old.tolist(),
+        adv.tolist(),
+        weights.tolist(),
+        0.2,
+        0.28,
+        0.05,
+        ref.tolist(),
+        0.0,
+        [0.0] * len(logp),
+    )
     assert loss.item() == pytest.approx(expected, rel=1e-12) and metrics["entropy"].item() == 0
 
 
@@ -160,13 +187,15 @@ def test_advantages_come_from_the_shaped_reward_less_beta_times_the_groups_centr
     rewards, scores = [1.0, 0.5, 0.0, 0.25], [1.0, 1.0, 0.0, 0.0]  # groups of 2, shaped apart from their scores
     old = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5]), torch.tensor([-3.0, -1.0, -1.0]), torch.tensor([-2.0])]
     ref = [torch.tensor([-1.5, -1.0]), torch.tensor([-0.5]), torch.tensor([-2.0, -2.0, -1.0]), torch.tensor([-1.0])]
-    samples = [train.Sample([1], score=score, reward=r, old_logprobs=o, ref_logprobs=f)
-               for score, r, o, f in zip(scores, rewards, old, ref)]
+    samples = [
+        train.Sample([1], score=score, reward=r, old_logprobs=o, ref_logprobs=f)
+        for score, r, o, f in zip(scores, rewards, old, ref)
+    ]
     train.set_advantages(samples, train.Config(group_size=2, beta=0.5, kl_in_reward=True, kl_estimator="k1"))
     kl = [-0.5, 0.0, 0.0, -1.0]  # k1 summed over each response: sum(old - ref)
     expected = []
     for g in (0, 2):
-        r, k = rewards[g:g + 2], kl[g:g + 2]
+        r, k = rewards[g : g + 2], kl[g : g + 2]
         expected += [(r[j] - sum(r) / 2) / (statistics.stdev(r) + 1e-6) - 0.5 * (k[j] - sum(k) / 2) for j in (0, 1)]
     assert [s.advantage for s in samples] == pytest.approx(expected, abs=1e-12)
 
@@ -191,19 +220,21 @@ def test_k1_k2_k3_estimate_the_kl_between_two_distributions():
 
 def aggregated_loss(rank, world, loss_agg, lengths, max_new_tokens, ratio_level="token"):
     """The trainer's loss for one batch of sequences (all on one rank): weights, then the weighted token sum."""
-    par = train.parallel_groups("cpu", 1)
+    par = launch.parallel_groups("cpu", 1)
     g = torch.Generator().manual_seed(3)
     samples = [train.Sample([], [0] * n, [True] * n) for n in lengths]
-    cfg = train.Config(loss_agg=loss_agg, max_new_tokens=max_new_tokens, clip_low=0.2, clip_high=0.28,
-                       ratio_level=ratio_level)
-    train.set_loss_weights(samples, cfg, par.dp)
+    cfg = train.Config(
+        loss_agg=loss_agg, max_new_tokens=max_new_tokens, clip_low=0.2, clip_high=0.28, ratio_level=ratio_level
+    )
+    train.set_loss_weights(samples, cfg, par.dp_group)
     n = sum(lengths)
     old = -torch.rand(n, generator=g, dtype=torch.float64)
     logp = (old + torch.randn(n, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
     adv = torch.repeat_interleave(torch.randn(len(lengths), generator=g, dtype=torch.float64), torch.tensor(lengths))
     weights = torch.tensor([s.loss_weight for s in samples for _ in s.response_ids], dtype=torch.float64)
-    loss, _ = train.policy_loss(logp, old, adv, weights, cfg, None, torch.zeros(n, dtype=torch.float64),
-                                lengths=torch.tensor(lengths))
+    loss, _ = train.policy_loss(
+        logp, old, adv, weights, cfg, None, torch.zeros(n, dtype=torch.float64), lengths=torch.tensor(lengths)
+    )
     loss.backward()
     return loss.item(), logp.grad.tolist(), old.tolist(), logp.tolist(), adv.tolist()
 
@@ -218,17 +249,21 @@ def test_loss_aggregation_follows_grpo_dapo_and_dr_grpo(loss_agg):
     surrogate = [-min(math.exp(x - o) * a, min(max(math.exp(x - o), 0.8), 1.28) * a) for x, o, a in zip(logp, old, adv)]
     per_seq, start = [], 0
     for n in lengths:
-        per_seq.append(surrogate[start:start + n])
+        per_seq.append(surrogate[start : start + n])
         start += n
     G = len(lengths)
-    expected = {"sequence": sum(sum(s) / len(s) for s in per_seq) / G,
-                "token": sum(map(sum, per_seq)) / sum(lengths),
-                "constant": sum(map(sum, per_seq)) / (G * max_new_tokens)}[loss_agg]
+    expected = {
+        "sequence": sum(sum(s) / len(s) for s in per_seq) / G,
+        "token": sum(map(sum, per_seq)) / sum(lengths),
+        "constant": sum(map(sum, per_seq)) / (G * max_new_tokens),
+    }[loss_agg]
     assert loss == pytest.approx(expected, rel=1e-6)  # the trainer's weights are float32
     # The gradient of each token's surrogate is scaled by its weight alone: compare with the per-token derivative.
-    scale = {"sequence": [1 / (G * n) for n in lengths for _ in range(n)],
-             "token": [1 / sum(lengths)] * sum(lengths),
-             "constant": [1 / (G * max_new_tokens)] * sum(lengths)}[loss_agg]
+    scale = {
+        "sequence": [1 / (G * n) for n in lengths for _ in range(n)],
+        "token": [1 / sum(lengths)] * sum(lengths),
+        "constant": [1 / (G * max_new_tokens)] * sum(lengths),
+    }[loss_agg]
     for i, (x, o, a) in enumerate(zip(logp, old, adv)):
         r = math.exp(x - o)
         active = r * a <= min(max(r, 0.8), 1.28) * a
@@ -242,7 +277,7 @@ def naive_logprobs(model, samples, temperature):
         ids = torch.tensor([s.prompt_ids + s.response_ids])
         logits = model(ids).logits[0].double() / temperature
         p = len(s.prompt_ids)
-        log_probs = torch.log_softmax(logits[p - 1:-1], -1)
+        log_probs = torch.log_softmax(logits[p - 1 : -1], -1)
         sampled = torch.tensor(s.sampled)  # tool output is context, not a prediction
         logps.append(log_probs.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)[sampled])
         ents.append(-(log_probs.exp() * log_probs).sum(-1)[sampled])
@@ -254,12 +289,15 @@ def chunked_against_naive(rank, world, chunk, temperature):
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2", False))
     samples = make_samples(6, seed=3)
     cfg = train.Config(logprob_chunk=chunk, temperature=temperature)
-    tp_mesh = train.parallel_groups("cpu", 1).mesh["tp"]
+    tp_mesh = launch.parallel_groups("cpu", 1).mesh["tp"]
     with torch.no_grad():
         logp, ent = train.response_logprobs(model, samples, cfg, tp_mesh)
         want_logp, want_ent = naive_logprobs(model, samples, temperature)
-    return logp.shape == want_logp.shape, (logp.double() - want_logp).abs().max().item(), \
-        (ent.double() - want_ent).abs().max().item()
+    return (
+        logp.shape == want_logp.shape,
+        (logp.double() - want_logp).abs().max().item(),
+        (ent.double() - want_ent).abs().max().item(),
+    )
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 10_000])
@@ -273,7 +311,7 @@ def peak_logits(rank, world, chunk, n, tp):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2", False))
     samples = make_samples(n, seed=3)
-    tp_mesh = train.parallel_groups("cpu", tp).mesh["tp"]
+    tp_mesh = launch.parallel_groups("cpu", tp).mesh["tp"]
     tracker, cfg = LiveLogits(VOCAB // tp, model.config.hidden_size), train.Config(logprob_chunk=chunk)
     with tracker:
         logp, entropy = train.response_logprobs(model, samples, cfg, tp_mesh)
@@ -299,7 +337,7 @@ def vocab_sharded(rank, world, vocab, tp):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)  # the same unsharded model on every rank
     samples = make_samples(5, seed=8)
-    tp_mesh = train.parallel_groups("cpu", tp).mesh["tp"]
+    tp_mesh = launch.parallel_groups("cpu", tp).mesh["tp"]
     cfg = train.Config(logprob_chunk=7, temperature=0.8)
     logp, ent = train.response_logprobs(model, samples, cfg, tp_mesh)
     g = torch.Generator().manual_seed(1)
@@ -329,15 +367,20 @@ def bf16_logit_errors(rank, world, tp):
     reference = torch.log_softmax(h64 @ w64.T, -1)[torch.arange(64), targets]
     reference.sum().backward()
     rounded = torch.log_softmax((hidden @ weight.T).float(), -1)[torch.arange(64), targets]  # bf16 logits
-    tp_mesh = train.parallel_groups("cpu", tp).mesh["tp"]
+    tp_mesh = launch.parallel_groups("cpu", tp).mesh["tp"]
     h = hidden.clone().requires_grad_()
     w = distribute_tensor(weight, tp_mesh, [Shard(0)]).requires_grad_()
     logp, _ = train.logprobs_and_entropy(DTensor.from_local(h, tp_mesh, [Replicate()]), w, targets, 1.0, tp_mesh)
     logp.sum().backward()
-    grad_errors = [((g.double() - g64).abs().max() / g64.abs().max()).item()  # bf16 gradients: relative ~1e-2
-                   for g, g64 in ((h.grad, h64.grad), (w.grad.full_tensor(), w64.grad))]
-    return (logp.double() - reference).abs().max().item(), (rounded.double() - reference).abs().max().item(), \
-        grad_errors
+    grad_errors = [
+        ((g.double() - g64).abs().max() / g64.abs().max()).item()  # bf16 gradients: relative ~1e-2
+        for g, g64 in ((h.grad, h64.grad), (w.grad.full_tensor(), w64.grad))
+    ]
+    return (
+        (logp.double() - reference).abs().max().item(),
+        (rounded.double() - reference).abs().max().item(),
+        grad_errors,
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -351,9 +394,9 @@ def test_logprobs_from_bf16_weights_are_computed_from_fp32_logits(tp):
 
 
 def loss_weights(rank, world, loss_agg):
-    par = train.parallel_groups("cpu", 1)
-    samples = make_samples(6, seed=4)[rank * 3:(rank + 1) * 3]
-    train.set_loss_weights(samples, train.Config(loss_agg=loss_agg, max_new_tokens=16), par.dp)
+    par = launch.parallel_groups("cpu", 1)
+    samples = make_samples(6, seed=4)[rank * 3 : (rank + 1) * 3]
+    train.set_loss_weights(samples, train.Config(loss_agg=loss_agg, max_new_tokens=16), par.dp_group)
     return [s.loss_weight for s in samples for _ in range(sum(s.sampled))]
 
 
@@ -370,16 +413,16 @@ def test_loss_weights_follow_the_aggregation_over_all_ranks():
 
 
 def step_with_nan_advantage(rank, world, folder):
-    par = train.parallel_groups("cpu", 1)
+    par = launch.parallel_groups("cpu", 1)
     model = sharded_model(folder, par)
     before = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     before = {k: v.clone() for k, v in before.items()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     samples = make_samples(4, seed=5)
     samples[0].advantage = float("nan")
-    sums = train.train_on_rollouts(model, optimizer, samples, train.Config(), par)
+    _, maxima = train.train_on_rollouts(model, optimizer, samples, train.Config(), par)
     after = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return sums["max"]["skipped_steps"], max((after[k] - before[k]).abs().max().item() for k in before)
+    return maxima["skipped_steps"], max((after[k] - before[k]).abs().max().item() for k in before)
 
 
 def test_non_finite_grad_norm_skips_the_step(tmp_path):
@@ -556,26 +599,35 @@ def test_sequence_level_truncation_caps_each_responses_geometric_mean_ratio():
 def step_with_micro_batches(rank, world, folder, flags, micro_batch_size):
     """Two mini-batches (so the second's ratio moves off 1) of one SGD step each, with engine log-probs near the
     policy's; the weights before and after, for micro-batches of micro_batch_size sequences."""
-    par = train.parallel_groups("cpu", 1)
+    par = launch.parallel_groups("cpu", 1)
     model = sharded_model(folder, par)
-    weights = lambda: {k: v.numpy().copy() for k, v in  # noqa: E731
-                       get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
+
+    def weights():
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.numpy().copy() for k, v in full.items()}
+
     before = weights()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     samples = make_samples(8, seed=13)
     cfg = train.Config(micro_batch_size=micro_batch_size, num_minibatches=2, max_grad_norm=1e9, **flags)
-    train.store_logprobs(model, samples, "old_logprobs", cfg, par)
+    for sample, logprobs in zip(samples, train.policy_logprobs(model, samples, cfg, par)):
+        sample.old_logprobs = logprobs
     g = torch.Generator().manual_seed(14)
     for s in samples:
         s.engine_logprobs = s.old_logprobs + 0.3 * torch.randn(sum(s.sampled), generator=g)
-    sums = train.train_on_rollouts(model, optimizer, samples, cfg, par)
-    return before, weights(), {k: float(v) for k, v in sums["token"].items()}
+    token_sums, _ = train.train_on_rollouts(model, optimizer, samples, cfg, par)
+    return before, weights(), {k: float(v) for k, v in token_sums.items()}
 
 
-@pytest.mark.parametrize("flags", [dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, loss_agg="sequence"),
-                                   dict(objective="cispo", clip_high=0.05),
-                                   dict(tis_cap=1.1, is_mode="mask", is_level="sequence"),
-                                   dict(tis_cap=1.5, is_mode="mask", objective="cispo", ratio_level="sequence")])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, loss_agg="sequence"),
+        dict(objective="cispo", clip_high=0.05),
+        dict(tis_cap=1.1, is_mode="mask", is_level="sequence"),
+        dict(tis_cap=1.5, is_mode="mask", objective="cispo", ratio_level="sequence"),
+    ],
+)
 def test_micro_batches_sum_to_the_whole_batch_step_for_gspo_cispo_and_masking(flags, tmp_path):
     folder = save_reference(tmp_path, "qwen2", True)
     before, whole, whole_sums = run_ranks(step_with_micro_batches, 1, folder, flags, 8)[0]

@@ -1,6 +1,7 @@
 """LoRA (--lora_rank): a layer's output and adapter gradients against the formula in float64; a step on every mesh
 against an unsharded reference, the base untouched, the push merged; the checkpoint's adapter/ read by PEFT; the demo
 learning; bad flags and mismatched resumes refused; a resume exact."""
+
 import json
 import shutil
 
@@ -13,6 +14,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import checkpoint
+import engines
+import launch
 import train
 from demo_model import demo_config, demo_tokenizer
 from test_checkpoint import hf_weights, logged, save_two_checkpoints_recording_syncs
@@ -21,8 +25,15 @@ from test_train import metrics, torchrun
 from workers import run_ranks
 
 RANK, ALPHA = 4, 16.0  # scale 4: a scale of 1, alpha or 1 / rank would show
-TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
+TARGETS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def whole(param):
@@ -35,12 +46,13 @@ def adapters_of(model):
 
 
 def lora_model(folder, par, b_seed=None):
-    """The trainer's LoRA model of `folder`, and its adapters as load_weights set them; B then seeded random (not
+    """The trainer's LoRA model of `folder`, and its adapters as init_adapters set them; B then seeded random (not
     zero) when b_seed is given, so that A gets a gradient and the push's merge is more than W."""
     config = AutoConfig.from_pretrained(folder)
     model = train.build_model(config, par.mesh, torch.device("cpu"), lora_rank=RANK, lora_alpha=ALPHA)
     cfg = train.Config(model=folder)
-    train.load_weights([model], train.weight_files(cfg), cfg, config, par.world)
+    checkpoint.load_weights([model], checkpoint.weight_files(cfg.model), cfg, config, par.world_group)
+    train.init_adapters(model, cfg.seed)  # as train.main
     loaded = adapters_of(model)
     if b_seed is not None:
         g = torch.Generator().manual_seed(b_seed)
@@ -55,7 +67,7 @@ def numpy(tensors):  # numpy crosses the queue by value
 
 # ----------------------------------------------------------------------------- one layer, in float64
 def layer_inputs_outputs_grads(rank, world, folder):
-    par = train.parallel_groups("cpu", 1)
+    par = launch.parallel_groups("cpu", 1)
     model, _ = lora_model(folder, par, b_seed=1)
     adapters = adapters_of(model)
     seen = {}
@@ -64,7 +76,9 @@ def layer_inputs_outputs_grads(rank, world, folder):
         def hook(module, args, out):
             seen[name] = {"x": args[0].detach().clone(), "out": out.detach().clone()}
             out.register_hook(lambda grad: seen[name].update(grad=grad.clone()))
+
         return hook
+
     layer = model.model.layers[1]
     for name in TARGETS:
         layer.get_submodule(name).register_forward_hook(keep(name))
@@ -98,7 +112,7 @@ def test_a_lora_layer_adds_alpha_over_rank_x_a_t_b_t_and_gives_a_and_b_their_exa
 
 
 def base_logits_with_scale_zero(rank, world, folder):
-    par = train.parallel_groups("cpu", 1)
+    par = launch.parallel_groups("cpu", 1)
     model, _ = lora_model(folder, par, b_seed=1)
     ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -134,27 +148,39 @@ def reference_lora_model(folder, adapters):
 
 def lora_step(rank, world, folder, dp, tp):
     """One SGD step of the trainer's loss under LoRA on a (dp, tp) mesh, and the same step on the reference."""
-    par = train.parallel_groups("cpu", tp)
+    par = launch.parallel_groups("cpu", tp)
     model, loaded = lora_model(folder, par, b_seed=2)
     start = adapters_of(model)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)  # as main: the trained
     samples = make_samples(8, seed=1)
     share = len(samples) // dp
-    per_rank = [samples[r * share:(r + 1) * share] for r in range(dp)]
+    per_rank = [samples[r * share : (r + 1) * share] for r in range(dp)]
     cfg = train.Config(micro_batch_size=3, max_grad_norm=0.05)
-    sums = train.train_on_rollouts(model, optimizer, per_rank[par.mesh["dp"].get_local_rank()], cfg, par)
+    _, maxima = train.train_on_rollouts(model, optimizer, per_rank[par.mesh["dp"].get_local_rank()], cfg, par)
     after = adapters_of(model)
     frozen = {name: whole(param) for name, param in model.named_parameters() if ".lora_" not in name}
-    pushed = {name: full for bucket in train.weight_buckets(model, 1 << 14, torch.float32) for name, full in bucket}
+    buckets = engines.weight_buckets(train.full_weights(model, torch.float32), 1 << 14)
+    pushed = {name: full for bucket in buckets for name, full in bucket}
     if rank > 0:
         return None
     reference = reference_lora_model(folder, start)
     ref_norm = reference_step(reference, [sum(per_rank, [])], 1.0, 0.05, "sgd")
-    expected = {f"{name}.lora_{x}.weight": getattr(module, x).detach() for name, module in reference.named_modules()
-                if hasattr(module, "A") for x in "AB"}
-    return dict(loaded=numpy(loaded), start=numpy(start), after=numpy(after), expected=numpy(expected),
-                norm=(sums["max"]["grad_norm"], ref_norm), frozen=numpy(frozen), pushed=list(pushed),
-                pushed_values=numpy(pushed))
+    expected = {
+        f"{name}.lora_{x}.weight": getattr(module, x).detach()
+        for name, module in reference.named_modules()
+        if hasattr(module, "A")
+        for x in "AB"
+    }
+    return dict(
+        loaded=numpy(loaded),
+        start=numpy(start),
+        after=numpy(after),
+        expected=numpy(expected),
+        norm=(maxima["grad_norm"], ref_norm),
+        frozen=numpy(frozen),
+        pushed=list(pushed),
+        pushed_values=numpy(pushed),
+    )
 
 
 CASES = [("qwen2", 1, 1), ("qwen2", 2, 1), ("qwen2", 1, 2), ("qwen2", 2, 2), ("qwen3", 2, 2)]
@@ -199,7 +225,7 @@ def test_adapters_start_alike_on_every_mesh_a_uniform_within_one_over_root_in_b_
         else:
             bound = first.shape[1] ** -0.5
             assert abs(first).max() <= bound and abs(first).max() > 0.9 * bound, name
-            assert abs(first.std() - bound / 3 ** 0.5) < 0.1 * bound, name  # uniform's std
+            assert abs(first.std() - bound / 3**0.5) < 0.1 * bound, name  # uniform's std
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{f}-dp{dp}-tp{tp}" for f, dp, tp in CASES])
@@ -236,9 +262,32 @@ def base_folder(tmp_path_factory):
 
 def lora_flags(base_folder, out_dir, steps):
     """--beta 0.05: under LoRA the KL's reference is the base, the adapters scaled by 0."""
-    return ("--preset", "cpu", "--model", base_folder, "--lora_rank", "8", "--lora_alpha", "16", "--beta", "0.05",
-            "--eval_every", "2", "--eval_prompts", "4", "--warmup_steps", "2", "--lr_schedule", "cosine",
-            "--save_every", "2", "--steps", str(steps), "--out_dir", str(out_dir))
+    return (
+        "--preset",
+        "cpu",
+        "--model",
+        base_folder,
+        "--lora_rank",
+        "8",
+        "--lora_alpha",
+        "16",
+        "--beta",
+        "0.05",
+        "--eval_every",
+        "2",
+        "--eval_prompts",
+        "4",
+        "--warmup_steps",
+        "2",
+        "--lr_schedule",
+        "cosine",
+        "--save_every",
+        "2",
+        "--steps",
+        str(steps),
+        "--out_dir",
+        str(out_dir),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -253,20 +302,23 @@ def lora_run(base_folder, tmp_path_factory):
 def test_the_checkpoints_adapter_loads_in_peft_onto_the_base_as_the_merged_hf_model(base_folder, lora_run):
     from peft import PeftModel
     from peft.utils import get_peft_model_state_dict
-    checkpoint = lora_run / "checkpoints" / "step_000004"
-    saved = load_file(checkpoint / "adapter" / "adapter_model.safetensors")
+
+    step_dir = lora_run / "checkpoints" / "step_000004"
+    saved = load_file(step_dir / "adapter" / "adapter_model.safetensors")
     assert len(saved) == 2 * len(TARGETS) * demo_config().num_hidden_layers
     assert all(name.startswith("base_model.model.model.layers.") for name in saved)
     assert max(t.abs().max().item() for name, t in saved.items() if "lora_B" in name) > 1e-3  # B has left zero
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_folder), checkpoint / "adapter")
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_folder), step_dir / "adapter")
     loaded = get_peft_model_state_dict(peft_model)
     assert sorted(loaded) == sorted(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
     assert peft_model.peft_config["default"].r == 8 and peft_model.peft_config["default"].lora_alpha == 16
-    merged_hf = AutoModelForCausalLM.from_pretrained(checkpoint / "hf")
+    merged_hf = AutoModelForCausalLM.from_pretrained(step_dir / "hf")
     ids = torch.randint(3, demo_config().vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        with_adapter, merged, base = (model.eval()(ids).logits for model in (
-            peft_model, merged_hf, AutoModelForCausalLM.from_pretrained(base_folder)))
+        with_adapter, merged, base = (
+            model.eval()(ids).logits
+            for model in (peft_model, merged_hf, AutoModelForCausalLM.from_pretrained(base_folder))
+        )
     assert (with_adapter - merged).abs().max() < 1e-4
     assert (base - merged).abs().max() > 1e-2  # the adapters changed the model
     unloaded = peft_model.merge_and_unload().state_dict()
@@ -306,10 +358,13 @@ def test_lora_k_steps_resume_k_steps_equals_2k_steps(base_folder, lora_run, tmp_
     assert logged(split) == logged(lora_run)  # rewards, losses, grad norms, KL, eval, step by step
     a, b = hf_weights(lora_run, 4), hf_weights(split, 4)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    adapters = [load_file(out / "checkpoints" / "step_000004" / "adapter" / "adapter_model.safetensors")
-                for out in (lora_run, split)]
-    assert adapters[0].keys() == adapters[1].keys() and all(torch.equal(adapters[0][k], adapters[1][k])
-                                                            for k in adapters[0])
+    adapters = [
+        load_file(out / "checkpoints" / "step_000004" / "adapter" / "adapter_model.safetensors")
+        for out in (lora_run, split)
+    ]
+    assert adapters[0].keys() == adapters[1].keys() and all(
+        torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0]
+    )
 
 
 def test_the_cpu_demo_with_lora_learns_the_toy_reward(tmp_path):
@@ -323,8 +378,16 @@ def test_the_cpu_demo_with_lora_learns_the_toy_reward(tmp_path):
 
 
 # ----------------------------------------------------------------------------- refused
-@pytest.mark.parametrize("flag,value", [("--lora_rank", "-1"), ("--lora_alpha", "0"), ("--lora_alpha", "nan"),
-                                        ("--lora_alpha", "-2"), ("--lora_alpha", "inf")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--lora_rank", "-1"),
+        ("--lora_alpha", "0"),
+        ("--lora_alpha", "nan"),
+        ("--lora_alpha", "-2"),
+        ("--lora_alpha", "inf"),
+    ],
+)
 def test_a_bad_lora_flag_is_refused_in_one_line_naming_it(flag, value):
     with pytest.raises(SystemExit) as refused:
         train.check_config(train.parse_config(["--preset", "cpu", flag, value]), 2)
@@ -335,33 +398,42 @@ def test_a_bad_lora_flag_is_refused_in_one_line_naming_it(flag, value):
 def test_resuming_with_another_lora_rank_stops_in_one_line_naming_the_flag(base_folder, lora_run, tmp_path):
     """A full fine-tuning resume of a LoRA checkpoint would load no weight at all (its dcp holds the adapters alone),
     and another rank's adapters do not fit: both are refused before any model is built."""
-    checkpoint = str(lora_run / "checkpoints" / "step_000004")
-    run = torchrun(2, "--preset", "cpu", "--model", base_folder, "--resume", checkpoint, "--steps", "6",
-                   "--out_dir", str(tmp_path / "out"))
+    step_dir = str(lora_run / "checkpoints" / "step_000004")
+    run = torchrun(
+        2,
+        "--preset",
+        "cpu",
+        "--model",
+        base_folder,
+        "--resume",
+        step_dir,
+        "--steps",
+        "6",
+        "--out_dir",
+        str(tmp_path / "out"),
+    )
     out = run.stdout + run.stderr
     assert run.returncode != 0 and "loading" not in out and "[rank1]" not in out
     [line] = [line for line in out.splitlines() if "--lora_rank" in line and "--resume" in line]
-    assert line.startswith(f"--resume {checkpoint} was trained with --lora_rank 8") and out.count(line) == 1
+    assert line.startswith(f"--resume {step_dir} was trained with --lora_rank 8") and out.count(line) == 1
     config = AutoConfig.from_pretrained(base_folder)
     for rank in (4, 16):
-        cfg = train.Config(model=base_folder, resume=checkpoint, lora_rank=rank, steps=6, out_dir=str(tmp_path))
-        with pytest.raises(SystemExit, match=f"^--resume {checkpoint} was trained with --lora_rank 8[^\n]*$"):
-            train.resume_folder(cfg, config)
+        cfg = train.Config(model=base_folder, resume=step_dir, lora_rank=rank, steps=6, out_dir=str(tmp_path))
+        with pytest.raises(SystemExit, match=f"^--resume {step_dir} was trained with --lora_rank 8[^\n]*$"):
+            checkpoint.find_resume(cfg, config)
 
 
-def test_resuming_with_another_lora_alpha_stops_in_one_line_as_it_would_rescale_the_trained_update(lora_run,
-                                                                                                   tmp_path):
+def test_resuming_with_another_lora_alpha_stops_in_one_line_as_it_would_rescale_the_trained_update(lora_run, tmp_path):
     """alpha / R scales B A: resumed with another alpha, the policy would jump at the first step. Without LoRA
     --lora_alpha scales nothing, and a full fine-tuning checkpoint resumes under any."""
-    checkpoint = str(lora_run / "checkpoints" / "step_000002")
+    step_dir = str(lora_run / "checkpoints" / "step_000002")
     for alpha in (32.0, 8.0):
-        cfg = train.Config(model="tiny", resume=checkpoint, lora_rank=8, lora_alpha=alpha, steps=6,
-                           out_dir=str(tmp_path))
-        with pytest.raises(SystemExit, match=f"^--resume {checkpoint} was trained with --lora_alpha 16.0[^\n]*$"):
-            train.resume_folder(cfg, demo_config())
+        cfg = train.Config(model="tiny", resume=step_dir, lora_rank=8, lora_alpha=alpha, steps=6, out_dir=str(tmp_path))
+        with pytest.raises(SystemExit, match=f"^--resume {step_dir} was trained with --lora_alpha 16.0[^\n]*$"):
+            checkpoint.find_resume(cfg, demo_config())
     run_ranks(save_two_checkpoints_recording_syncs, 1, str(tmp_path / "full"))
     cfg = train.Config(model="tiny", resume="auto", lora_alpha=8.0, steps=4, out_dir=str(tmp_path / "full"))
-    assert train.resume_folder(cfg, demo_config())[:2] == (str(tmp_path / "full" / "checkpoints" / "step_000002"), 2)
+    assert checkpoint.find_resume(cfg, demo_config())[:2] == (str(tmp_path / "full" / "checkpoints" / "step_000002"), 2)
 
 
 def test_resuming_a_checkpoint_from_before_lora_with_lora_on_stops_in_one_line(tmp_path):
@@ -373,4 +445,4 @@ def test_resuming_a_checkpoint_from_before_lora_with_lora_on_stops_in_one_line(t
     state_file.write_text(json.dumps(state))
     cfg = train.Config(model="tiny", resume="auto", lora_rank=8, steps=4, out_dir=str(tmp_path))
     with pytest.raises(SystemExit, match="was trained with --lora_rank 0[^\n]*$"):
-        train.resume_folder(cfg, demo_config())
+        checkpoint.find_resume(cfg, demo_config())

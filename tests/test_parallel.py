@@ -1,11 +1,14 @@
 """Sharded (FSDP2 over dp, DTensor TP over tp) against an unsharded model: loading, logits, gradient norm, weights
 after a step (so the gradients), and the gathered full state dict, on meshes (2,1), (1,2), (2,2); micro-batches,
 fixed or by token budget, against the whole batch."""
+
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+import checkpoint
+import launch
 import train
 from workers import run_ranks
 
@@ -13,8 +16,16 @@ VOCAB = 96
 
 
 def tiny_config(family, tied):
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+    )
     if family == "qwen3":
         return Qwen3Config(head_dim=8, **common)  # Qwen3Config defaults head_dim to 128
     if family == "llama":  # SmolLM2 and Llama 3.x: no attention biases, like Qwen3 but without q/k norms
@@ -31,11 +42,11 @@ def save_reference(folder, family, tied, shard_size="20KB"):
 
 def sharded_model(folder, par, activation_checkpointing=False):
     """The trainer's way: built on the meta device, sharded, then the checkpoint streamed in file by file. par:
-    train.parallel_groups'."""
+    launch.parallel_groups'."""
     config = AutoConfig.from_pretrained(folder)
     model = train.build_model(config, par.mesh, torch.device("cpu"), activation_checkpointing)
     cfg = train.Config(model=folder)
-    train.load_weights([model], train.weight_files(cfg), cfg, config, par.world)
+    checkpoint.load_weights([model], checkpoint.weight_files(cfg.model), cfg, config, par.world_group)
     return model
 
 
@@ -49,9 +60,15 @@ def make_samples(n, seed):
         sampled = [True] * response_len
         if i % 2:  # after the first sampled token
             sampled[1:1] = [False] * 3
-        samples.append(train.Sample(prompt_ids=ids[:prompt_len], response_ids=ids[prompt_len:], sampled=sampled,
-                                    engine_logprobs=torch.zeros(response_len),
-                                    advantage=torch.randn((), generator=g).item()))
+        samples.append(
+            train.Sample(
+                prompt_ids=ids[:prompt_len],
+                response_ids=ids[prompt_len:],
+                sampled=sampled,
+                engine_logprobs=torch.zeros(response_len),
+                advantage=torch.randn((), generator=g).item(),
+            )
+        )
     return samples
 
 
@@ -63,7 +80,7 @@ def reference_step(model, minibatches, lr, max_norm, optimizer_name, clip_low=0.
     def logprobs(s):  # of the sampled response tokens; tool output is context only
         logits = model(torch.tensor([s.prompt_ids + s.response_ids])).logits[0].double()
         p = len(s.prompt_ids)
-        every = torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
+        every = torch.log_softmax(logits, -1)[p - 1 : -1].gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
         return every[torch.tensor(s.sampled)]
 
     with torch.no_grad():
@@ -88,10 +105,11 @@ def make_optimizer(name, params, lr):
     return torch.optim.SGD(params, lr=lr) if name == "sgd" else torch.optim.AdamW(params, lr=lr)
 
 
-def sharded_vs_unsharded(rank, world, folder, dp, tp, optimizer_name, max_norm, activation_checkpointing,
-                         num_minibatches=1):
+def sharded_vs_unsharded(
+    rank, world, folder, dp, tp, optimizer_name, max_norm, activation_checkpointing, num_minibatches=1
+):
     reference = AutoModelForCausalLM.from_pretrained(folder)
-    par = train.parallel_groups("cpu", tp)
+    par = launch.parallel_groups("cpu", tp)
     model = sharded_model(folder, par, activation_checkpointing)
     lr = 0.1 if optimizer_name == "sgd" else 1e-3
     optimizer = make_optimizer(optimizer_name, model.parameters(), lr)  # before the first forward
@@ -103,29 +121,37 @@ def sharded_vs_unsharded(rank, world, folder, dp, tp, optimizer_name, max_norm, 
 
     cfg = train.Config(micro_batch_size=3, max_grad_norm=max_norm, num_minibatches=num_minibatches)
     share = len(samples) // dp
-    per_rank = [samples[r * share:(r + 1) * share] for r in range(dp)]
+    per_rank = [samples[r * share : (r + 1) * share] for r in range(dp)]
     model.train()
     mine = per_rank[par.mesh["dp"].get_local_rank()]
-    train.store_logprobs(model, mine[len(mine) // num_minibatches:], "old_logprobs", cfg, par)
-    sums = train.train_on_rollouts(model, optimizer, mine, cfg, par)
+    stored = mine[len(mine) // num_minibatches :]
+    for sample, logprobs in zip(stored, train.policy_logprobs(model, stored, cfg, par)):
+        sample.old_logprobs = logprobs
+    _, maxima = train.train_on_rollouts(model, optimizer, mine, cfg, par)
     # Mini-batch m of the whole batch is the m-th slice of every rank's share.
     size = share // num_minibatches
-    minibatches = [sum((part[m * size:(m + 1) * size] for part in per_rank), []) for m in range(num_minibatches)]
+    minibatches = [sum((part[m * size : (m + 1) * size] for part in per_rank), []) for m in range(num_minibatches)]
     ref_norm = reference_step(reference, minibatches, lr, max_norm, optimizer_name)
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     expected = reference.state_dict()
     weight_diff = max((full[k] - expected[k]).abs().max().item() for k in expected)
-    return {"logits": logits_diff, "weights": weight_diff, "norm": (sums["max"]["grad_norm"], ref_norm),
-            "keys": (sorted(full), sorted(expected))}
+    return {
+        "logits": logits_diff,
+        "weights": weight_diff,
+        "norm": (maxima["grad_norm"], ref_norm),
+        "keys": (sorted(full), sorted(expected)),
+    }
 
 
 MESHES = [(2, 1), (1, 2), (2, 2)]
 
 
 @pytest.mark.parametrize("dp,tp", MESHES)
-@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("qwen3", False),
-                                         ("llama", True), ("llama", False)])
+@pytest.mark.parametrize(
+    "family,tied",
+    [("qwen2", True), ("qwen2", False), ("qwen3", True), ("qwen3", False), ("llama", True), ("llama", False)],
+)
 def test_sharded_step_matches_unsharded(dp, tp, family, tied, tmp_path):
     # max_norm 0.05 is below the gradient norm, so the 2-D clipping path scales the gradients.
     folder = save_reference(tmp_path, family, tied)
@@ -158,10 +184,10 @@ def test_adamw_under_2d_sharding_matches_unsharded(tmp_path):
 
 
 def accumulation(rank, world, folder, loss_agg, flags):
-    par = train.parallel_groups("cpu", 1)
+    par = launch.parallel_groups("cpu", 1)
     model = sharded_model(folder, par)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    samples = make_samples(12, seed=2)[rank * 6:(rank + 1) * 6]
+    samples = make_samples(12, seed=2)[rank * 6 : (rank + 1) * 6]
     cfg = train.Config(max_grad_norm=0.0, loss_agg=loss_agg, max_new_tokens=16, **flags)
     train.train_on_rollouts(model, optimizer, samples, cfg, par)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -174,8 +200,12 @@ def test_micro_batches_fixed_or_by_token_budget_accumulate_to_the_full_batch_gra
     full = run_ranks(accumulation, 2, folder, loss_agg, dict(micro_batch_size=6))[0]
     # 4 leaves a ragged last micro-batch of 2; budgets of 12 and 30 tokens pack 1 to 3 sequences of 4 to 12 tokens,
     # and the two ranks need different numbers of micro-batches before they are equalised.
-    for flags in (dict(micro_batch_size=1), dict(micro_batch_size=4), dict(max_tokens_per_microbatch=12),
-                  dict(max_tokens_per_microbatch=30)):
+    for flags in (
+        dict(micro_batch_size=1),
+        dict(micro_batch_size=4),
+        dict(max_tokens_per_microbatch=12),
+        dict(max_tokens_per_microbatch=30),
+    ):
         split = run_ranks(accumulation, 2, folder, loss_agg, flags)[0]
         assert max(abs(split[k] - full[k]).max() for k in full) < 1e-6, flags
         assert max(abs(split[k] - expected).max() for k, expected in initial_weights(folder).items()) > 1e-3
@@ -184,7 +214,7 @@ def test_micro_batches_fixed_or_by_token_budget_accumulate_to_the_full_batch_gra
 def tool_output_gradients(rank, world, folder, tp):
     """The trainer's loss on one response with tool output, every term on: the gradient at each position of the final
     hidden states, and the step's token counts as step_metrics logs them."""
-    par = train.parallel_groups("cpu", tp)
+    par = launch.parallel_groups("cpu", tp)
     model = sharded_model(folder, par)
     sample = make_samples(2, seed=3)[1]  # response tokens 1 to 3 are tool output
     sample.old_logprobs, sample.ref_logprobs = torch.zeros(sum(sample.sampled)), torch.zeros(sum(sample.sampled))
@@ -193,12 +223,13 @@ def tool_output_gradients(rank, world, folder, tp):
     def keep(module, args, out):  # the final norm's output: the hidden states that lm_head reads
         out.retain_grad()
         hidden["out"] = out
+
     model.model.norm.register_forward_hook(keep)
     cfg = train.Config(beta=0.1, entropy_coef=0.1, tis_cap=2.0, micro_batch_size=1)
-    sums = train.train_on_rollouts(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample], cfg, par)
+    token_sums, maxima = train.train_on_rollouts(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample], cfg, par)
     start = len(sample.prompt_ids) - 1  # the position that predicts the first response token
-    grads = hidden["out"].grad[0, start:start + len(sample.response_ids)].abs().amax(-1)
-    metrics = train.step_metrics([sample], sums, [], 0, par)
+    grads = hidden["out"].grad[0, start : start + len(sample.response_ids)].abs().amax(-1)
+    metrics = train.step_metrics([sample], token_sums, maxima, [], 0, par)
     return grads.tolist(), sample.sampled, (metrics["tokens"], metrics["response_len"], metrics["response_len_max"])
 
 
@@ -209,6 +240,31 @@ def test_tool_output_tokens_get_no_gradient_and_are_not_counted(tp, tmp_path):
     # Loss, KL, entropy and IS weights reach a position only through the token it predicts: none for tool output.
     assert [g == 0 for g in grads] == [not m for m in sampled]
     assert tokens == (sum(sampled),) * 3  # the step's tokens, the response's length and the longest
+
+
+def listed_logprobs(rank, world, folder, flags):
+    """policy_logprobs of samples of varied lengths, as main stores them: the i-th tensor goes to the i-th sample."""
+    par = launch.parallel_groups("cpu", 1)
+    model = sharded_model(folder, par)
+    logprobs = train.policy_logprobs(model, make_samples(8, seed=13), train.Config(**flags), par)
+    return [lp.numpy().copy() for lp in logprobs]
+
+
+@pytest.mark.parametrize("flags", [dict(micro_batch_size=3), dict(max_tokens_per_microbatch=30)])
+def test_policy_logprobs_are_each_samples_own_in_the_samples_order(flags, tmp_path):
+    """Token-budget micro-batches sort the samples by length: the log-probs must still come back in the samples'
+    order, or a sample's ratio is taken against another's log-probs."""
+    folder = save_reference(tmp_path, "qwen2", True)
+    listed = run_ranks(listed_logprobs, 1, folder, flags)[0]
+    reference = AutoModelForCausalLM.from_pretrained(folder)
+    samples = make_samples(8, seed=13)
+    assert len(listed) == len(samples)
+    for s, got in zip(samples, listed):
+        with torch.no_grad():
+            logits = reference(torch.tensor([s.prompt_ids + s.response_ids])).logits[0].double()
+        every = torch.log_softmax(logits, -1)[len(s.prompt_ids) - 1 : -1]
+        want = every.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)[torch.tensor(s.sampled)]
+        assert got.shape == tuple(want.shape) and (torch.from_numpy(got).double() - want).abs().max() < 1e-5
 
 
 def initial_weights(folder):
@@ -224,8 +280,8 @@ def budget_batches(rank, world, budget):
     # Lengths vary 10x: rank 0 has mostly short sequences, rank 1 mostly long ones.
     lengths = [int(torch.randint(5, 50 if rank else 15, (1,), generator=g)) for _ in range(16)]
     samples = [train.Sample([1] * 5, [2] * n, [True] * n) for n in lengths]
-    par = train.parallel_groups("cpu", 1)
-    batches = train.micro_batches(samples, train.Config(max_tokens_per_microbatch=budget), par.world)
+    par = launch.parallel_groups("cpu", 1)
+    batches = train.micro_batches(samples, train.Config(max_tokens_per_microbatch=budget), par.world_group)
     return lengths_of([samples]), lengths_of(batches)
 
 
@@ -263,15 +319,18 @@ def test_token_budget_cuts_padding_when_lengths_vary_tenfold():
     samples = [train.Sample([1] * 10, [2] * n, [True] * n) for n in lengths]
 
     def fixed_and_budgeted(rank, world):
-        group = train.parallel_groups("cpu", 1).world
-        return [padding_fraction(lengths_of(train.micro_batches(samples, cfg, group)))
-                for cfg in (train.Config(micro_batch_size=8), train.Config(max_tokens_per_microbatch=8 * 210))]
+        group = launch.parallel_groups("cpu", 1).world_group
+        return [
+            padding_fraction(lengths_of(train.micro_batches(samples, cfg, group)))
+            for cfg in (train.Config(micro_batch_size=8), train.Config(max_tokens_per_microbatch=8 * 210))
+        ]
+
     fixed, budgeted = run_ranks(fixed_and_budgeted, 1)[0]
     assert fixed > 0.3 and budgeted < fixed / 3
 
 
 def loaded_state(rank, world, folder, dp, tp):
-    par = train.parallel_groups("cpu", tp)
+    par = launch.parallel_groups("cpu", tp)
     full = get_model_state_dict(sharded_model(folder, par), options=StateDictOptions(full_state_dict=True))
     return {k: v.numpy().copy() for k, v in full.items()}
 
@@ -290,6 +349,7 @@ def test_streamed_meta_device_loading_gives_the_weights_of_a_plain_load(dp, tp, 
 def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(tmp_path):
     folder = save_reference(tmp_path, "qwen2", False)
     from safetensors.torch import load_file, save_file
+
     last = sorted(tmp_path.glob("model-*.safetensors"))[-1]
     tensors = load_file(last)
     dropped = sorted(tensors)[0]
@@ -306,13 +366,14 @@ def with_a_new_statistic(rank, world, folder, tp):
     def policy_loss(logp, old_logp, advantages, weights, cfg, *args, **kwargs):
         loss, stats = original(logp, old_logp, advantages, weights, cfg, *args, **kwargs)
         return loss, dict(stats, weight_x1000=(weights * 1000).sum())
+
     train.policy_loss = policy_loss  # in this forked rank only
-    par = train.parallel_groups("cpu", tp)
+    par = launch.parallel_groups("cpu", tp)
     model = sharded_model(folder, par)
     samples = make_samples(6 // (world // tp), seed=rank // tp)  # each dp rank its own; a TP group the same
     cfg = train.Config(micro_batch_size=2, num_minibatches=2)
-    sums = train.train_on_rollouts(model, torch.optim.SGD(model.parameters(), lr=0.0), samples, cfg, par)
-    metrics = train.step_metrics(samples, sums, [], 0, par)
+    token_sums, maxima = train.train_on_rollouts(model, torch.optim.SGD(model.parameters(), lr=0.0), samples, cfg, par)
+    metrics = train.step_metrics(samples, token_sums, maxima, [], 0, par)
     lengths = [sum(s.sampled) for s in samples]
     return metrics["weight_x1000"], metrics["tokens"], [s.loss_weight for s in samples], lengths
 

@@ -2,6 +2,7 @@
 half the bytes of an fp32 one with the same bits; the ranks without an engine gather a bucket only after the engine's
 rank has loaded the one before; and nothing of the push is left referenced, nor the GPU's cache held, when the
 engine takes its KV cache back."""
+
 import time
 import weakref
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import engines
+import launch
 import train
 from test_parallel import save_reference, sharded_model
 from workers import run_ranks
@@ -16,6 +19,7 @@ from workers import run_ranks
 
 class GatheredBytes(TorchDispatchMode):
     """Bytes that all-gathers bring in on this rank (the output of each all_gather_into_tensor), and when each began."""
+
     def __init__(self):
         super().__init__()
         self.bytes, self.starts = 0, []
@@ -31,10 +35,11 @@ class GatheredBytes(TorchDispatchMode):
 def gathered(rank, world, folder, tp):
     """This rank's bf16 buckets and gathered bytes: the trainer's way (cast, then gather) and the old way (gather
     fp32, then cast)."""
-    par = train.parallel_groups("cpu", tp)
+    par = launch.parallel_groups("cpu", tp)
     model = sharded_model(folder, par)
     with GatheredBytes() as new:
-        pushed = [(n, t) for bucket in train.weight_buckets(model, 1 << 20, torch.bfloat16) for n, t in bucket]
+        buckets = engines.weight_buckets(train.full_weights(model, torch.bfloat16), 1 << 20)
+        pushed = [(n, t) for bucket in buckets for n, t in bucket]
     with GatheredBytes() as old:
         reference = [(n, p.full_tensor().to(torch.bfloat16)) for n, p in model.named_parameters()]
     same = [n for (n, a), (m, b) in zip(pushed, reference) if n == m and a.dtype == b.dtype and torch.equal(a, b)]
@@ -49,8 +54,9 @@ def test_a_bf16_push_gathers_half_the_bytes_of_fp32_with_bit_identical_tensors(t
         assert old_bytes > 0 and new_bytes * 2 == old_bytes
 
 
-class SlowLoads(train.Engine):
+class SlowLoads(engines.Engine):
     """An engine whose owner takes 0.2 s to load each bucket; records when loads end and when updates begin."""
+
     push_dtype = torch.bfloat16
 
     def __init__(self, owner):
@@ -64,11 +70,12 @@ class SlowLoads(train.Engine):
 
 
 def handshake(rank, world, folder):
-    par = train.parallel_groups("cpu", world)
+    par = launch.parallel_groups("cpu", world)
     model = sharded_model(folder, par)
     engine = SlowLoads(owner=rank == 0)
     with GatheredBytes() as gathers:
-        train.push_weights(model, engine, train.Config(bucket_mb=0), par)  # a bucket per tensor
+        # --bucket_mb 0: a bucket per tensor
+        engines.push_weights(train.full_weights(model, engine.push_dtype), engine, 0, par.tp_group)
     return engine.loaded, engine.entered, gathers.starts
 
 
@@ -87,9 +94,10 @@ def test_ranks_without_an_engine_gather_the_next_bucket_only_after_the_engine_lo
     assert checked > 3
 
 
-class LastBucketWatch(train.Engine):
+class LastBucketWatch(engines.Engine):
     """Records every step of a push, and whether a tensor of the last bucket was still alive when the KV cache came
     back (end_update)."""
+
     push_dtype = torch.bfloat16
 
     def __init__(self, events):
@@ -109,16 +117,19 @@ class LastBucketWatch(train.Engine):
 
 def memory_order(rank, world, folder):
     events = []
-    cuda = {"ipc_collect": torch.cuda.ipc_collect, "empty_cache": torch.cuda.empty_cache,
-            "is_available": torch.cuda.is_available}
+    cuda = {
+        "ipc_collect": torch.cuda.ipc_collect,
+        "empty_cache": torch.cuda.empty_cache,
+        "is_available": torch.cuda.is_available,
+    }
     torch.cuda.ipc_collect = lambda: events.append("ipc_collect")  # a CPU stands in for the device's allocator
     torch.cuda.empty_cache = lambda: events.append("empty_cache")
-    par = train.parallel_groups("cpu", 1)
+    par = launch.parallel_groups("cpu", 1)
     model = sharded_model(folder, par)
     engine = LastBucketWatch(events)
     torch.cuda.is_available = lambda: True
     try:
-        train.push_weights(model, engine, train.Config(bucket_mb=0), par)
+        engines.push_weights(train.full_weights(model, engine.push_dtype), engine, 0, par.tp_group)
     finally:
         for name, function in cuda.items():
             setattr(torch.cuda, name, function)
@@ -129,5 +140,8 @@ def test_the_kv_cache_comes_back_after_the_last_bucket_is_freed_and_the_cache_em
     events = run_ranks(memory_order, 1, save_reference(tmp_path, "qwen2", True))[0]
     updates = events.count("update")
     assert updates > 3
-    assert events == (["ipc_collect", "empty_cache", "begin_update"] + ["update"] * updates
-                      + ["ipc_collect", "empty_cache", "end_update with 0 tensors of the last bucket alive"])
+    assert events == (
+        ["ipc_collect", "empty_cache", "begin_update"]
+        + ["update"] * updates
+        + ["ipc_collect", "empty_cache", "end_update with 0 tensors of the last bucket alive"]
+    )

@@ -6,8 +6,16 @@ import time
 
 import pytest
 
-from reward import (FORMAT_SCORE, countdown_reward, gsm8k_reward, last_boxed, math_reward, overlong_penalty,
-                    reward_fn, toy_reward)
+from reward import (
+    FORMAT_SCORE,
+    countdown_reward,
+    gsm8k_reward,
+    last_boxed,
+    math_reward,
+    overlong_penalty,
+    reward_fn,
+    toy_reward,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,21 +54,24 @@ def test_countdown_division_by_zero_scores_zero():
     assert countdown_reward(answer("3 / (4 - 4)"), [3, 4, 4], 1) == 0.0
 
 
-@pytest.mark.parametrize("expr", [
-    "2 ** 3",  # power
-    "-3 + 11",  # unary minus
-    "1.5 * 2",  # decimal
-    "abs(3)",  # function call
-    "x + 3",  # letters
-    "__import__('os').system('true')",
-    "3 +",
-    "(3 + 5",
-    "3 + 5)",
-    "()",
-    "",
-    "3 5",
-    "3 // 5",
-])
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "2 ** 3",  # power
+        "-3 + 11",  # unary minus
+        "1.5 * 2",  # decimal
+        "abs(3)",  # function call
+        "x + 3",  # letters
+        "__import__('os').system('true')",
+        "3 +",
+        "(3 + 5",
+        "3 + 5)",
+        "()",
+        "",
+        "3 5",
+        "3 // 5",
+    ],
+)
 def test_countdown_malformed_expression_scores_zero(expr):
     assert countdown_reward(answer(expr), [3, 5, 8], 8) == 0.0
 
@@ -141,8 +152,18 @@ def test_gsm8k_normalises_commas_dollars_and_trailing_zeros():
 
 def test_gsm8k_reads_latex_dollars_percent_thousands_units_and_an_equation():
     """How models box a number in LaTeX: each is the answer, and scored as such."""
-    for boxed in ("\\$18", "18\\%", "18%", "18 \\text{ apples}", "18 dollars", "\\text{18}", "18^\\circ", "x = 18",
-                  "\\$18.00", "\\mathrm{18}\\,"):
+    for boxed in (
+        "\\$18",
+        "18\\%",
+        "18%",
+        "18 \\text{ apples}",
+        "18 dollars",
+        "\\text{18}",
+        "18^\\circ",
+        "x = 18",
+        "\\$18.00",
+        "\\mathrm{18}\\,",
+    ):
         assert gsm8k_reward(f"so \\boxed{{{boxed}}}", "18") == 1.0, boxed
     assert gsm8k_reward("\\boxed{\\$1{,}234}", "1234") == 1.0
     for wrong in ("18 - 2", "18 apples and 3 pears", "x", "\\frac{36}{2}"):
@@ -186,20 +207,38 @@ def test_gsm8k_hostile_strings():
 # math: LaTeX answers judged by math-verify
 
 
-@pytest.mark.parametrize("predicted, answer", [
-    ("\\frac{1}{2}", "\\frac{1}{2}"), ("0.5", "\\frac12"), ("\\dfrac{2}{4}", "\\frac{1}{2}"),
-    ("\\sqrt 2", "\\sqrt{2}"), ("\\frac{\\sqrt{3}}{2}", "\\frac{1}{2}\\sqrt{3}"), ("2\\sqrt{2}", "\\sqrt{8}"),
-    ("(-\\infty, 3]", "(-\\infty,3]"), ("[0, 1) \\cup (2, 5]", "[0,1)\\cup(2,5]"), ("\\{1, 2, 3\\}", "\\{3, 2, 1\\}"),
-    ("x = 4", "4"), ("\\pi/2", "\\frac{\\pi}{2}"), ("-7", "-7"),
-])
+@pytest.mark.parametrize(
+    "predicted, answer",
+    [
+        ("\\frac{1}{2}", "\\frac{1}{2}"),
+        ("0.5", "\\frac12"),
+        ("\\dfrac{2}{4}", "\\frac{1}{2}"),
+        ("\\sqrt 2", "\\sqrt{2}"),
+        ("\\frac{\\sqrt{3}}{2}", "\\frac{1}{2}\\sqrt{3}"),
+        ("2\\sqrt{2}", "\\sqrt{8}"),
+        ("(-\\infty, 3]", "(-\\infty,3]"),
+        ("[0, 1) \\cup (2, 5]", "[0,1)\\cup(2,5]"),
+        ("\\{1, 2, 3\\}", "\\{3, 2, 1\\}"),
+        ("x = 4", "4"),
+        ("\\pi/2", "\\frac{\\pi}{2}"),
+        ("-7", "-7"),
+    ],
+)
 def test_math_answers_that_are_equal_as_mathematics_score_one(predicted, answer):
     assert math_reward(f"Work... so the answer is \\boxed{{{predicted}}}.", answer) == 1.0
 
 
-@pytest.mark.parametrize("predicted, answer", [
-    ("\\frac{1}{3}", "\\frac{1}{2}"), ("\\sqrt{3}", "\\sqrt{2}"), ("(-\\infty, 3)", "(-\\infty, 3]"),
-    ("[0, 1]", "(0, 1)"), ("\\{1, 2\\}", "\\{1, 2, 3\\}"), ("5", "-5"),
-])
+@pytest.mark.parametrize(
+    "predicted, answer",
+    [
+        ("\\frac{1}{3}", "\\frac{1}{2}"),
+        ("\\sqrt{3}", "\\sqrt{2}"),
+        ("(-\\infty, 3)", "(-\\infty, 3]"),
+        ("[0, 1]", "(0, 1)"),
+        ("\\{1, 2\\}", "\\{1, 2, 3\\}"),
+        ("5", "-5"),
+    ],
+)
 def test_math_answers_that_differ_score_zero(predicted, answer):
     assert math_reward(f"\\boxed{{{predicted}}}", answer) == 0.0
 
@@ -213,15 +252,32 @@ def test_math_reads_the_last_boxed_answer_only():
 
 def test_math_survives_hostile_completions_within_seconds():
     start = time.perf_counter()
-    for text in ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{" + "(" * 900 + "}", "\\boxed{" * 100_000, "x" * 5_000_000,
-                 "\\boxed{\\frac{" * 300 + "}", "\\boxed{__import__('os').system('true')}", "\\boxed{}"]:
+    for text in [
+        "\\boxed{9^{9^{9^{9}}}}",
+        "\\boxed{" + "(" * 900 + "}",
+        "\\boxed{" * 100_000,
+        "x" * 5_000_000,
+        "\\boxed{\\frac{" * 300 + "}",
+        "\\boxed{__import__('os').system('true')}",
+        "\\boxed{}",
+    ]:
         assert math_reward(text, "5") == 0.0
     assert time.perf_counter() - start < 10  # math-verify gives up after 1 s a parse
 
 
-@pytest.mark.parametrize("length, expected", [
-    (0, 0.0), (80, 0.0), (81, -1 / 20), (90, -0.5), (99, -19 / 20), (100, -1.0), (101, -1.0), (5000, -1.0),
-])
+@pytest.mark.parametrize(
+    "length, expected",
+    [
+        (0, 0.0),
+        (80, 0.0),
+        (81, -1 / 20),
+        (90, -0.5),
+        (99, -19 / 20),
+        (100, -1.0),
+        (101, -1.0),
+        (5000, -1.0),
+    ],
+)
 def test_overlong_penalty_is_zero_then_linear_over_the_buffer_then_minus_one(length, expected):
     """DAPO eq. 13 with L_max = 100, L_cache = 20: 0 up to 80 tokens, (80 - |y|) / 20 up to 100, -1 beyond."""
     assert overlong_penalty(length, 100, 20) == pytest.approx(expected)
@@ -257,8 +313,28 @@ def test_reward_fn_unknown_task_raises_naming_it():
 
 def test_reward_fn_returns_a_float_in_unit_interval_for_random_strings():
     rng = random.Random(0)
-    fragments = ["<answer>", "</answer>", "(", ")", "**", "/", "-", "#", "####", "\\boxed{", "}", "$", ",",
-                 ".", "0", "7", "123", "1e9", " ", "\n"]
+    fragments = [
+        "<answer>",
+        "</answer>",
+        "(",
+        ")",
+        "**",
+        "/",
+        "-",
+        "#",
+        "####",
+        "\\boxed{",
+        "}",
+        "$",
+        ",",
+        ".",
+        "0",
+        "7",
+        "123",
+        "1e9",
+        " ",
+        "\n",
+    ]
     printable = [chr(c) for c in range(32, 127)] + ["\n", "\t", "é", "٣"]
     items = [
         {"task": "countdown", "nums": [3, 5, 7], "target": 15},
@@ -267,8 +343,9 @@ def test_reward_fn_returns_a_float_in_unit_interval_for_random_strings():
         {"task": "math", "answer": "\\frac{7}{2}"},
     ]
     for _ in range(300):
-        pieces = [rng.choice(fragments) if rng.random() < 0.5 else rng.choice(printable)
-                  for _ in range(rng.randrange(60))]
+        pieces = [
+            rng.choice(fragments) if rng.random() < 0.5 else rng.choice(printable) for _ in range(rng.randrange(60))
+        ]
         text = "".join(pieces)
         for item in items:
             score = reward_fn(text, item)

@@ -1,5 +1,7 @@
 """Runs that survive bad input: a reward_fn that raises or hangs scores 0 and training goes on; a model that
 cannot be split over --tp is refused before any weights load."""
+
+import glob
 import json
 import multiprocessing
 import os
@@ -10,6 +12,7 @@ import time
 import pytest
 
 import reward
+import sandbox
 from demo_model import demo_config, demo_tokenizer
 from test_train import torchrun
 
@@ -47,7 +50,9 @@ def reward_fn(completion, item):
 
 @pytest.fixture
 def bad_reward(monkeypatch):
-    namespace = {"reward_fn": reward.reward_fn}
+    # As if defined in reward.py: a call names reward_fn by its module and name, which a worker (forked with the
+    # patch) looks up; without a module, pickle would search every loaded module for it.
+    namespace = {"__name__": reward.__name__, "reward_fn": reward.reward_fn}
     exec(BAD_REWARD, namespace)
     monkeypatch.setattr(reward, "reward_fn", namespace["reward_fn"])  # the workers fork with it
 
@@ -61,7 +66,7 @@ def score_timed(workers, texts, items):
 def test_raising_and_hanging_rewards_score_zero_and_the_rest_score_normally(bad_reward):
     texts = ["aaaa", "abab", "aaaa", "acac", "adad", "aaxx"]
     items = [{"task": "toy", "target": "a"}] * 6
-    workers = reward.RewardWorkers(2, timeout=0.5)
+    workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=0.5)
     try:
         rewards, errors, seconds = score_timed(workers, texts, items)
     finally:
@@ -78,7 +83,7 @@ def test_raising_and_hanging_rewards_score_zero_and_the_rest_score_normally(bad_
 
 def test_stuck_workers_are_replaced_so_later_batches_score_normally(bad_reward):
     """Every worker stuck where SIGALRM cannot reach: each is killed and replaced a second past the timeout."""
-    workers = reward.RewardWorkers(2, timeout=0.5)
+    workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=0.5)
     item = {"task": "toy", "target": "a"}
     try:
         first = score_timed(workers, ["adad", "adda", "aaaa"], [item] * 3)
@@ -90,7 +95,7 @@ def test_stuck_workers_are_replaced_so_later_batches_score_normally(bad_reward):
 
 
 def test_a_worker_that_dies_is_replaced_at_once_and_the_others_still_score(bad_reward):
-    workers = reward.RewardWorkers(2, timeout=5.0)
+    workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=5.0)
     item = {"task": "toy", "target": "a"}
     try:
         rewards, errors, seconds = score_timed(workers, ["aeae", "aaaa", "aaxx", "eeee"], [item] * 4)
@@ -106,10 +111,12 @@ def test_a_stopped_worker_is_killed_at_its_calls_deadline_and_replaced():
     """A worker stopped by SIGSTOP is alive and reads nothing: a call larger than every pipe and socket buffer could
     not even be sent to it. The exchange ends at the call's deadline, the sample scores 0 with the reason counted, the
     others score, and its replacement scores the next batch."""
+
     def give_up(signum, frame):
         raise TimeoutError("the batch still waits on the stopped worker")
+
     previous = signal.signal(signal.SIGALRM, give_up)
-    workers = reward.RewardWorkers(2, timeout=0.5)
+    workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=0.5)
     item = {"task": "toy", "target": "a"}
     try:
         os.kill(workers.workers[0][0].pid, signal.SIGSTOP)  # the first call, of 4 MB, goes to worker 0
@@ -127,7 +134,7 @@ def test_a_stopped_worker_is_killed_at_its_calls_deadline_and_replaced():
 
 
 def test_a_reward_that_is_not_a_finite_number_is_a_failed_call(bad_reward):
-    workers = reward.RewardWorkers(1, timeout=5.0)
+    workers = sandbox.RewardWorkers(reward.reward_fn, 1, timeout=5.0)
     try:
         rewards, errors = workers.score(["anan", "aoao", "aaaa"], [{"task": "toy", "target": "a"}] * 3)
     finally:
@@ -141,9 +148,10 @@ def test_workers_take_no_trainer_signal_handler_and_close_ends_what_reward_fn_st
     """Workers forked after the trainer's SIGTERM handler (replacements are) die of SIGTERM rather than print that
     they finish the step; close() ends a stuck worker at once, and the process its reward_fn started."""
     import psutil
+
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: print("finishing this step"))
     try:
-        workers = reward.RewardWorkers(2, timeout=0.5)
+        workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=0.5)
         process = workers.workers[0][0]
         os.kill(process.pid, signal.SIGTERM)
         process.join(5)
@@ -163,16 +171,30 @@ def test_a_failing_reward_fn_does_not_stop_training(tmp_path):
     """The whole loop with a reward.py whose reward_fn raises, hangs, returns NaN or None, or ends its worker on some
     completions: those score 0 and are counted, metrics.jsonl stays strict JSON, and no step is skipped."""
     # Only the hang that SIGALRM cuts off here: the other costs a second more per call (tested above).
-    for name in ("train.py", "reward.py"):
-        shutil.copy(os.path.join(os.path.dirname(os.path.dirname(__file__)), name), tmp_path / name)
+    for path in glob.glob(os.path.join(os.path.dirname(os.path.dirname(__file__)), "*.py")):  # train.py, its modules
+        shutil.copy(path, tmp_path)
     with open(tmp_path / "reward.py", "a") as f:
         f.write(BAD_REWARD.replace('item.get("stuck", True)', "False"))
     out = tmp_path / "out"
-    run = torchrun(2, "--preset", "cpu", "--steps", "3", "--reward_timeout", "0.2", "--eval_every", "0",
-                   "--out_dir", str(out), cwd=str(tmp_path))
+    run = torchrun(
+        2,
+        "--preset",
+        "cpu",
+        "--steps",
+        "3",
+        "--reward_timeout",
+        "0.2",
+        "--eval_every",
+        "0",
+        "--out_dir",
+        str(out),
+        cwd=str(tmp_path),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
+
     def refuse(constant):
         raise ValueError(f"metrics.jsonl holds {constant}, which strict JSON has not")
+
     with open(out / "metrics.jsonl") as f:
         rows = [json.loads(line, parse_constant=refuse) for line in f]
     assert len(rows) == 3 and sum(r["reward_errors"] for r in rows) > 0

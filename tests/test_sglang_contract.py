@@ -1,9 +1,9 @@
-"""Contract test: train.SGLangEngine and train.push_weights against the real sglang 0.5.23 weight-update code, on CPU
-processes.
+"""Contract test: engines.SGLangEngine and engines.push_weights against the real sglang 0.5.23 weight-update code,
+on CPU processes.
 
 tests/sglang_cpu_engine.py runs sglang's own scheduler-side updater, TP-worker deserialization, model-runner updater
-and Qwen2 / Qwen3 load_weights on a dummy-loaded model in one process per engine TP rank, and the trainer's
-SGLangEngine (started on every trainer rank, as main does) over the real sglang.Engine class on sharded trainer ranks;
+and Qwen2 / Qwen3 load_weights on a dummy-loaded model in one process per engine TP rank, and the trainer's engines
+(engines.start_engine on every trainer rank, as main does) over the real sglang.Engine class on sharded trainer ranks;
 only ZMQ and the engine's process launch are replaced. Shapes: engine tp 1, 2 and 4 (one engine), and dp 2 x tp 2
 (two engines at once: the second TP group's gathers go to global rank 2, its owner). Every engine parameter starts as
 NaN; after a push each must equal the trainer's weight sharded as sglang shards it, computed here from the HF tensors
@@ -14,6 +14,7 @@ Needs `pip install --no-deps -r requirements-sglang-cpu.txt` (after requirements
 once per shape for the module (~20-30 s on 2 cores for tp 1 and 2; four-rank shapes, 8 processes, take longer and run
 alone) and reused by its tests.
 """
+
 import glob
 import os
 
@@ -48,6 +49,7 @@ def clusters():
                 started.pop(other).close()
             started[world] = CPUEngineCluster(world, [(d, t) for d, t in SHAPES.values() if d * t == world])
         return started[world].use(dp, tp)
+
     yield cluster
     for running in started.values():
         running.close()
@@ -57,8 +59,15 @@ def contract_config(family, tied, tp=1):
     """Small, but past 2 MB of bf16 so that 1 MB buckets hold several tensors and a push takes several buckets.
     Qwen2's 1000-row vocabulary is padded by sglang (to 1024 rows); Qwen3's 1024 rows divide evenly. Engine tp 4
     takes 4 KV heads (the trainer's TP needs whole heads per rank; sglang would replicate fewer)."""
-    common = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=max(2, tp), max_position_embeddings=128, tie_word_embeddings=tied)
+    common = dict(
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=max(2, tp),
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+    )
     if family == "qwen3":
         return Qwen3Config(vocab_size=1024, head_dim=32, **common)  # Qwen3Config defaults head_dim to 128
     return Qwen2Config(vocab_size=1000, **common)
@@ -66,7 +75,7 @@ def contract_config(family, tied, tp=1):
 
 def save_model(folder, family, tied, tp=1, seed=0):
     """The trainer's checkpoint (every tensor random, so any misplaced slice shows) in several safetensors files;
-    SGLangEngine writes the engine's config.json from its config. Returns the folder."""
+    engines.SGLangEngine writes the engine's config.json from its config. Returns the folder."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(contract_config(family, tied, tp))
     with torch.no_grad():
@@ -77,13 +86,13 @@ def save_model(folder, family, tied, tp=1, seed=0):
 
 
 def start(cluster, folder, **options):
-    """train.SGLangEngine on every trainer rank, its out_dir by the checkpoint's folder (the engine processes live on
+    """engines.start_engine on every trainer rank, its out_dir by the checkpoint's folder (the engine processes live on
     and sglang keeps a model path's config once read); per engine, its owner's record."""
     return cluster.start(folder, f"{folder}-out", **options)
 
 
 def push(cluster, folder, **options):
-    """A training step's end as main does it: the engine's memory released, then train.push_weights."""
+    """A training step's end as main does it: the engine's memory released, then engines.push_weights."""
     cluster.trainer("release")
     return cluster.trainer("push", folder=folder, bucket_mb=BUCKET_MB, **options)
 
@@ -95,8 +104,10 @@ def check_start(owners, dp, tp):
     for owner in owners:
         kwargs = owner["kwargs"]
         assert (kwargs["tp_size"], kwargs["dp_size"], kwargs["base_gpu_id"]) == (tp, 1, owner["rank"])
-        assert owner["environ"] == {"SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "false",
-                                    "TORCHELASTIC_USE_AGENT_STORE": "False"}
+        assert owner["environ"] == {
+            "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "false",
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+        }
         assert owner["generate"] == [([[0]], [{"max_new_tokens": 1}])]  # the warm-up request, as sglang batches it
         # Every rank whose probe exceeds the group's least free memory by over 10% (all but the last) is told.
         warned = [any(w.startswith(UNBALANCED) for w in log) for _, log in owner["loads"]]
@@ -120,7 +131,7 @@ def vocab_rows(weight, tp, rank):
     if -(-vocab // padding) * padding % tp:
         padding *= tp
     per_rank = -(-vocab // padding) * padding // tp
-    rows = weight[rank * per_rank:min((rank + 1) * per_rank, vocab)]
+    rows = weight[rank * per_rank : min((rank + 1) * per_rank, vocab)]
     return torch.cat([rows, rows.new_zeros(per_rank - len(rows), weight.shape[1])])
 
 
@@ -130,12 +141,19 @@ def expected_engine_parameters(hf, config, tp, rank):
     input, embeddings and lm_head by vocabulary rows, norms whole. A tied lm_head is embed_tokens itself."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     assert config.num_key_value_heads % tp == 0  # sglang would replicate KV heads otherwise
-    rows = {"q_proj": rank_slice(config.num_attention_heads * head_dim, tp, rank),
-            "k_proj": rank_slice(config.num_key_value_heads * head_dim, tp, rank),
-            "gate_proj": rank_slice(config.intermediate_size, tp, rank)}
+    rows = {
+        "q_proj": rank_slice(config.num_attention_heads * head_dim, tp, rank),
+        "k_proj": rank_slice(config.num_key_value_heads * head_dim, tp, rank),
+        "gate_proj": rank_slice(config.intermediate_size, tp, rank),
+    }
     rows.update(v_proj=rows["k_proj"], up_proj=rows["gate_proj"])
-    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-             "up_proj": "gate_up_proj"}
+    fused = {
+        "q_proj": "qkv_proj",
+        "k_proj": "qkv_proj",
+        "v_proj": "qkv_proj",
+        "gate_proj": "gate_up_proj",
+        "up_proj": "gate_up_proj",
+    }
     expected, parts = {}, {}
     for name, full in hf.items():
         full = full.to(torch.bfloat16)
@@ -159,7 +177,7 @@ def expected_engine_parameters(hf, config, tp, rank):
 
 
 def bucket_count(config):
-    """train.weight_buckets' buckets: a bucket closes once it holds >= BUCKET_MB MiB of bf16."""
+    """engines.weight_buckets' buckets: a bucket closes once it holds >= BUCKET_MB MiB of bf16."""
     with torch.device("meta"):
         sizes = [p.numel() * 2 for _, p in AutoModelForCausalLM.from_config(config).named_parameters()]
     count, held = 0, 0
@@ -178,8 +196,12 @@ def mismatches(parameters, expected):
     return sorted(n for n in expected if not torch.equal(parameters[n], expected[n]))
 
 
-CASES = [(family, tied, shape) for shape in ("tp4", "dp2xtp2", "tp1", "tp2")  # the four-rank shapes first: alone
-         for family in ("qwen2", "qwen3") for tied in (False, True)]
+CASES = [
+    (family, tied, shape)
+    for shape in ("tp4", "dp2xtp2", "tp1", "tp2")  # the four-rank shapes first: alone
+    for family in ("qwen2", "qwen3")
+    for tied in (False, True)
+]
 
 
 @pytest.mark.parametrize("family,tied,shape", CASES, ids=[f"{f}-{'tied' if t else 'untied'}-{s}" for f, t, s in CASES])
@@ -205,10 +227,11 @@ def test_push_lands_every_weight_exactly_on_every_engine_tp_rank(clusters, tmp_p
             assert not any(b.isnan().any() for b in state["buffers"].values())
             # Released after the rollouts; then weights resumed, the session: begin, one update per bucket
             # (flush_cache=False), end; the one cache flush, and the KV cache resumed after it.
-            assert state["requests"] == (["ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput",
-                                          "BeginWeightUpdateReqInput"] + ["UpdateWeightsFromTensorReqInput"] * buckets
-                                         + ["EndWeightUpdateReqInput", "FlushCacheReqInput",
-                                            "ResumeMemoryOccupationReqInput"])
+            assert state["requests"] == (
+                ["ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput", "BeginWeightUpdateReqInput"]
+                + ["UpdateWeightsFromTensorReqInput"] * buckets
+                + ["EndWeightUpdateReqInput", "FlushCacheReqInput", "ResumeMemoryOccupationReqInput"]
+            )
             assert state["flushes"] == 2  # releasing the KV cache flushes too
             assert warnings == []  # sglang reports an unknown name only as a warning
 
@@ -225,9 +248,11 @@ def test_a_second_push_replaces_every_weight(clusters, tmp_path):
     for rank, (state, _) in enumerate(cluster.weights()[0]):
         expected = expected_engine_parameters(hf, config, 2, rank)
         assert mismatches(state["parameters"], expected) == []
-        step = state["requests"][:len(state["requests"]) // 2]
-        assert state["requests"] == step * 2 and step[:2] == ["ReleaseMemoryOccupationReqInput",
-                                                              "ResumeMemoryOccupationReqInput"]
+        step = state["requests"][: len(state["requests"]) // 2]
+        assert state["requests"] == step * 2 and step[:2] == [
+            "ReleaseMemoryOccupationReqInput",
+            "ResumeMemoryOccupationReqInput",
+        ]
 
 
 def test_without_the_trainers_setting_unbalanced_gpus_stop_the_engine(clusters, tmp_path):
@@ -238,8 +263,10 @@ def test_without_the_trainers_setting_unbalanced_gpus_stop_the_engine(clusters, 
     with pytest.raises(RuntimeError) as failed:
         start(cluster, folder, unset_environ=("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK",))
     assert "engine TP rank 0:" in str(failed.value) and "engine TP rank 1:" not in str(failed.value)
-    assert ("RuntimeError: The memory capacity is unbalanced. Some GPUs may be occupied by other processes. "
-            f"pre_model_load_memory={FREE_GIB[1]:.1f}, local_gpu_memory={FREE_GIB[0]:.1f}") in str(failed.value)
+    assert (
+        "RuntimeError: The memory capacity is unbalanced. Some GPUs may be occupied by other processes. "
+        f"pre_model_load_memory={FREE_GIB[1]:.1f}, local_gpu_memory={FREE_GIB[0]:.1f}"
+    ) in str(failed.value)
     check_start(start(cluster, folder), 1, 2)  # the trainer's own start, on the same engine processes
 
 
@@ -274,8 +301,10 @@ def test_a_wrong_name_holding_q_proj_is_dropped_by_qwen2_and_crashes_qwen3(clust
     q_rows = 128  # 4 heads x 32
     assert qkv[:q_rows].isnan().all() and not qkv[q_rows:].isnan().any()
     assert nan_parameters(state["parameters"]) == ["model.layers.0.self_attn.qkv_proj.weight"]
-    assert warnings == ["sglang.srt.models.qwen2: Parameter _orig_mod.model.layers.0.self_attn.qkqkv_proj.weight "
-                        "not found in params_dict"]
+    assert warnings == [
+        "sglang.srt.models.qwen2: Parameter _orig_mod.model.layers.0.self_attn.qkqkv_proj.weight "
+        "not found in params_dict"
+    ]
 
     trainer_folder = save_model(tmp_path / "qwen3", "qwen3", False)
     start(cluster, trainer_folder)
@@ -296,8 +325,13 @@ def test_a_wrongly_shaped_tensor_crashes_the_engine_and_the_push_raises(clusters
     assert "param_data.shape=torch.Size([128, 512]) loaded_weight.shape=torch.Size([512, 512])" in str(failed.value)
 
 
-@pytest.mark.parametrize("name,how", [("model.layers.3.self_attn.o_proj.weight", "transpose"),  # [128, 128]
-                                      ("model.layers.1.mlp.down_proj.weight", "half_columns")])  # [128, 256]
+@pytest.mark.parametrize(
+    "name,how",
+    [
+        ("model.layers.3.self_attn.o_proj.weight", "transpose"),  # [128, 128]
+        ("model.layers.1.mlp.down_proj.weight", "half_columns"),
+    ],
+)  # [128, 256]
 def test_some_wrong_shapes_load_silently_and_only_the_comparison_catches_them(clusters, tmp_path, name, how):
     """A transposed square matrix fits; o_proj and down_proj zero-pad an input dim that is too short (meant for
     Qwen2.5-VL's unaligned MLP). No error, no warning, no NaN: only the exact comparison fails."""
@@ -332,12 +366,15 @@ def test_a_trainer_that_sees_no_session_api_fails_loudly_on_0_5_23(clusters, tmp
     with pytest.raises(RuntimeError, match="must run between begin_weight_update"):
         push(cluster, trainer_folder, session=False)
     [[(state, _)]] = cluster.weights()
-    assert state["requests"] == ["ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput",
-                                 "UpdateWeightsFromTensorReqInput"]
+    assert state["requests"] == [
+        "ReleaseMemoryOccupationReqInput",
+        "ResumeMemoryOccupationReqInput",
+        "UpdateWeightsFromTensorReqInput",
+    ]
     assert len(nan_parameters(state["parameters"])) == len(state["parameters"])
 
 
 def test_sglangs_reduction_patch_stops_cpu_tensors_from_pickling_for_ipc(clusters):
     """monkey_patch_torch_reductions() rewrites argument 6 of every reduced tensor (the CUDA device): a CPU tensor's
-    reduction has 3, so ForkingPickler fails. train.SGLangEngine patches only when CUDA is present."""
+    reduction has 3, so ForkingPickler fails. engines.start_engine patches only when CUDA is present."""
     assert clusters(1, 1).cpu_tensor_ipc_pickle() == "IndexError: tuple index out of range"

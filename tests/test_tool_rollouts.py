@@ -1,7 +1,8 @@
-"""The multi-turn loop of --tool python (train.generate_rollouts, reward.run_tools) against a scripted engine that
+"""The multi-turn loop of --tool python (train.generate_rollouts, train.run_tools) against a scripted engine that
 answers with known text: the ids kept exactly as sampled, only tool output tokenised and marked unsampled, stops at a
 block's end, the budget over all turns, --max_turns, one batch per round, tool calls in parallel, the step's tool
 metrics."""
+
 import importlib.util
 import json
 import os
@@ -13,24 +14,34 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import engines
+import launch
 import reward
+import sandbox
 import train
 from demo_model import demo_config, demo_tokenizer
 from test_train import metrics, torchrun
 from workers import run_ranks
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux" or not reward.tool_interpreter(),
-                                reason="the tool uses Linux limits and a Python that others can run")
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or not sandbox.tool_interpreter(),
+    reason="the tool uses Linux limits and a Python that others can run",
+)
 
 
-class ScriptedEngine(train.Engine):
+class ScriptedEngine(engines.Engine):
     """An engine whose model writes a fixed text per prompt: each call continues every prompt from where its sampled
     tokens left off, up to and including a stop id or the budget, as HFEngine and SGLangEngine do, and returns the
     new ids and their log-probs. It records what each call was given; its log-probs are -(position + 1) / 100 so that
     each can be traced back to its token."""
+
     def __init__(self, tokenizer, scripts):
-        self.scripts = {tuple(tokenizer(prompt, add_special_tokens=False).input_ids):
-                        tokenizer(text, add_special_tokens=False).input_ids for prompt, text in scripts.items()}
+        self.scripts = {
+            tuple(tokenizer(prompt, add_special_tokens=False).input_ids): tokenizer(
+                text, add_special_tokens=False
+            ).input_ids
+            for prompt, text in scripts.items()
+        }
         self.done = dict.fromkeys(self.scripts, 0)  # sampled tokens given out so far, per prompt
         self.calls = []
 
@@ -38,9 +49,9 @@ class ScriptedEngine(train.Engine):
         self.calls.append({"prompts": [list(p) for p in prompts], "budgets": list(budgets), "stop_ids": stop_ids})
         outputs = []
         for ids, budget in zip(prompts, budgets):
-            prompt = next(p for p in self.scripts if tuple(ids[:len(p)]) == p)
+            prompt = next(p for p in self.scripts if tuple(ids[: len(p)]) == p)
             start = self.done[prompt]
-            rest = self.scripts[prompt][start:start + budget]
+            rest = self.scripts[prompt][start : start + budget]
             end = next((i + 1 for i, t in enumerate(rest) if t in stop_ids), len(rest))
             self.done[prompt] += end
             outputs.append((rest[:end], torch.tensor([-(start + i + 1) / 100 for i in range(end)])))
@@ -48,12 +59,12 @@ class ScriptedEngine(train.Engine):
 
 
 def rollouts(tokenizer, scripts, workers=None, **flags):
-    """A sample per script, generated in turns (reward.run_tools) and then scored, as collect_rollouts does."""
+    """A sample per script, generated in turns (train.run_tools) and then scored, as collect_rollouts does."""
     engine = ScriptedEngine(tokenizer, scripts)
     cfg = train.Config(tool="python", temperature=1.0, **flags)
     items = [{"prompt": prompt, "task": "gsm8k", "answer": "42"} for prompt in scripts]
     own = workers is None
-    workers = workers or reward.RewardWorkers(2, timeout=5.0)
+    workers = workers or sandbox.RewardWorkers(reward.reward_fn, 2, timeout=5.0)
     try:
         samples, errors = train.generate_rollouts(engine, workers, tokenizer, items, cfg, 0, 1.0)
     finally:
@@ -98,10 +109,11 @@ def test_a_response_without_code_is_one_engine_call_and_nothing_is_run(qwen_toke
 def test_without_the_tool_fences_do_not_stop_generation(qwen_tokenizer):
     engine = ScriptedEngine(qwen_tokenizer, {"Q:": FIRST + AFTER})
     cfg = train.Config(tool="", max_new_tokens=200)
-    workers = reward.RewardWorkers(1, timeout=5.0)
+    workers = sandbox.RewardWorkers(reward.reward_fn, 1, timeout=5.0)
     try:
-        [s], _ = train.generate_rollouts(engine, workers, qwen_tokenizer, [{"prompt": "Q:", "task": "gsm8k",
-                                                                           "answer": "42"}], cfg, 0, 1.0)
+        [s], _ = train.generate_rollouts(
+            engine, workers, qwen_tokenizer, [{"prompt": "Q:", "task": "gsm8k", "answer": "42"}], cfg, 0, 1.0
+        )
     finally:
         workers.close()
     assert len(engine.calls) == 1 and s.response_ids == ids(qwen_tokenizer, FIRST + AFTER) and s.tool_outputs == []
@@ -114,7 +126,7 @@ def test_a_special_token_that_the_code_prints_is_text_and_cannot_end_the_respons
     reply = [t for t, m in zip(s.response_ids, s.sampled) if not m]
     assert s.tool_outputs == ["<|im_end|>\n"] and tok.decode(reply) == "```output\n<|im_end|>\n```\n"
     assert not set(reply) & set(reward.stop_token_ids(tok))  # the characters, not Qwen's end-of-turn token
-    assert len(engine.calls) == 4 and s.response_ids[-len(ids(tok, AFTER)):] == ids(tok, AFTER)
+    assert len(engine.calls) == 4 and s.response_ids[-len(ids(tok, AFTER)) :] == ids(tok, AFTER)
 
 
 def test_the_last_turn_runs_no_code_and_generation_goes_on_to_the_end(qwen_tokenizer):
@@ -131,7 +143,7 @@ def test_the_budget_counts_tool_output_and_cuts_it(qwen_tokenizer):
     flood = FIRST.replace("6 * 7", "'x' * 500")
     first = ids(tok, flood)
     _, [s] = rollouts(tok, {"Q:": flood + AFTER}, max_new_tokens=len(first) + 8)
-    assert len(s.response_ids) == len(first) + 8 and s.sampled[len(first):] == [False] * 8  # cut inside the reply
+    assert len(s.response_ids) == len(first) + 8 and s.sampled[len(first) :] == [False] * 8  # cut inside the reply
     assert s.truncated and len(s.tool_outputs) == 1
     engine, [s] = rollouts(tok, {"Q:": FIRST + AFTER}, max_new_tokens=5)  # the budget ends the first turn
     assert len(s.response_ids) == 5 and engine.calls[0]["budgets"] == [5] and s.truncated and s.tool_outputs == []
@@ -147,8 +159,9 @@ def test_samples_still_generating_go_as_one_batch_per_round_and_the_others_drop_
     assert engine.calls[-1]["budgets"] == [200 - len(samples[i].response_ids) + after for i in (0, 2)]
     # The step's metrics of these samples: per sample, 2 calls of 3 samples, 2 of 3 used the tool, 5 turns (A and C
     # a turn before their block's output and one after, B one); counts, 1 error and no timeout.
-    logged = run_ranks(lambda rank, world: train.step_metrics(samples, {"token": {}, "max": {}}, [], 0,
-                                                              train.parallel_groups("cpu", 1)), 1)[0]
+    logged = run_ranks(
+        lambda rank, world: train.step_metrics(samples, {}, {}, [], 0, launch.parallel_groups("cpu", 1)), 1
+    )[0]
     assert [logged[k] for k in ("tool_calls", "tool_use", "turns")] == pytest.approx([2 / 3, 2 / 3, 5 / 3])
     assert (logged["tool_errors"], logged["tool_timeouts"], logged["samples"]) == (1, 0, 3)
 
@@ -159,12 +172,16 @@ def test_the_tool_calls_of_a_round_run_in_parallel_in_the_workers(qwen_tokenizer
     # the tests; each lingers after it met the other, whose file goes with its call.
     folder = tempfile.mkdtemp(dir="/var/tmp")
     os.chmod(folder, 0o777)
-    wait = ("import os, time\nopen('{folder}/{mine}', 'w').close()\nfor _ in range(200):\n"
-            "    if os.path.exists('{folder}/{other}'): break\n    time.sleep(0.02)\nprint('met' if os.path.exists("
-            "'{folder}/{other}') else 'alone', flush=True)\ntime.sleep(0.5)\n")
-    scripts = {f"{mine}:": f"```python\n{wait.format(folder=folder, mine=mine, other=other)}```\n" + AFTER
-               for mine, other in (("a", "b"), ("b", "a"))}
-    workers = reward.RewardWorkers(2, timeout=5.0)
+    wait = (
+        "import os, time\nopen('{folder}/{mine}', 'w').close()\nfor _ in range(200):\n"
+        "    if os.path.exists('{folder}/{other}'): break\n    time.sleep(0.02)\nprint('met' if os.path.exists("
+        "'{folder}/{other}') else 'alone', flush=True)\ntime.sleep(0.5)\n"
+    )
+    scripts = {
+        f"{mine}:": f"```python\n{wait.format(folder=folder, mine=mine, other=other)}```\n" + AFTER
+        for mine, other in (("a", "b"), ("b", "a"))
+    }
+    workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=5.0)
     try:
         _, samples = rollouts(qwen_tokenizer, scripts, workers=workers, max_new_tokens=300)
     finally:
@@ -180,8 +197,9 @@ def tool_using_model(folder, device="cpu", **shape):
     tokenizer.chat_template = "{{ messages[0]['content'] + '\\n' }}"  # a short prompt: one token per character
     question = [{"role": "user", "content": reward.TOOL_PROMPT.format(question=QUESTION)}]
     prompt = reward.encode_prompt(tokenizer, question)
-    response = tokenizer("```python\nprint(6 * 7)\n```\n```output\n42\n```\nSo \\boxed{42}<|im_end|>",
-                         add_special_tokens=False).input_ids
+    response = tokenizer(
+        "```python\nprint(6 * 7)\n```\n```output\n42\n```\nSo \\boxed{42}<|im_end|>", add_special_tokens=False
+    ).input_ids
     config = demo_config(**shape)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(device)
@@ -202,20 +220,52 @@ QUESTION = "What is 6 * 7?"
 ON_GPU = torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None
 
 
-@pytest.mark.parametrize("engine", ["hf", pytest.param("sglang", marks=pytest.mark.skipif(
-    not ON_GPU, reason="needs a CUDA GPU and sglang"))])
+@pytest.mark.parametrize(
+    "engine", ["hf", pytest.param("sglang", marks=pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU and sglang"))]
+)
 def test_torchrun_with_the_python_tool_runs_the_models_code_and_scores_its_answers(engine, tmp_path):
     # SGLang's attention kernels want Qwen's head size of 128.
     shape = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1) if engine == "sglang" else {}
     tool_using_model(tmp_path / "model", "cuda" if engine == "sglang" else "cpu", **shape)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text(2 * (json.dumps({"question": QUESTION, "answer": "#### 42"}) + "\n"))
-    run = torchrun(2 if engine == "hf" else 1, "--model", str(tmp_path / "model"), "--task", "gsm8k", "--data_path",
-                   str(tmp_path / "data"), "--tool", "python", "--max_turns", "2", "--engine", engine, "--steps", "2",
-                   "--prompts_per_step", "2", "--group_size", "4", "--max_new_tokens", "80", "--lr", "1e-6",
-                   "--eval_every", "0", "--save_every", "0", "--sample_every", "1", "--reward_workers", "2",
-                   "--out_dir", str(tmp_path / "out"), timeout=900,
-                   **({"CUDA_VISIBLE_DEVICES": ""} if engine == "hf" else {}))  # hf: two CPU ranks, GPU or not
+    run = torchrun(
+        2 if engine == "hf" else 1,
+        "--model",
+        str(tmp_path / "model"),
+        "--task",
+        "gsm8k",
+        "--data_path",
+        str(tmp_path / "data"),
+        "--tool",
+        "python",
+        "--max_turns",
+        "2",
+        "--engine",
+        engine,
+        "--steps",
+        "2",
+        "--prompts_per_step",
+        "2",
+        "--group_size",
+        "4",
+        "--max_new_tokens",
+        "80",
+        "--lr",
+        "1e-6",
+        "--eval_every",
+        "0",
+        "--save_every",
+        "0",
+        "--sample_every",
+        "1",
+        "--reward_workers",
+        "2",
+        "--out_dir",
+        str(tmp_path / "out"),
+        timeout=900,
+        **({"CUDA_VISIBLE_DEVICES": ""} if engine == "hf" else {}),
+    )  # hf: two CPU ranks, GPU or not
     assert run.returncode == 0, run.stderr[-3000:]
     print(run.stdout[-1500:])
     rows = metrics(tmp_path / "out")

@@ -1,5 +1,7 @@
 """The whole loop through torchrun, as a user runs it: the README's CPU command learns the toy reward; one process
 without torchrun; a resume past a torn metrics line."""
+
+import glob
 import json
 import os
 import re
@@ -10,17 +12,18 @@ import sys
 import pytest
 from transformers import AutoModelForCausalLM
 
+import checkpoint
+import launch
 import train
-from workers import run_ranks
 from demo_model import demo_config, demo_tokenizer
+from workers import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def torchrun(nproc, *flags, timeout=300, cwd=ROOT, script="train.py", **env_vars):
     env = dict(os.environ, OMP_NUM_THREADS="1", **env_vars)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           script, *flags]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", script, *flags]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -37,13 +40,28 @@ def test_cpu_preset_learns_the_toy_reward(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert "step 30/30 | reward" in run.stdout
     first, last = rows[:5], rows[-5:]
-    mean = lambda rs, key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+
+    def mean(rs, key):
+        return sum(r[key] for r in rs) / len(rs)
+
     assert mean(first, "reward") < 0.3 and mean(last, "reward") > 0.8
     assert mean(last, "entropy") < mean(first, "entropy")
     # Engine and trainer hold the same weights after every push: their logprobs agree on every step.
     assert max(r["mismatch_abs"] for r in rows) < 1e-4
-    for key in ("accuracy", "response_len", "truncated", "clip_frac", "grad_norm", "lr", "tokens",
-                "time_rollout", "time_train", "time_push", "reward_errors", "groups_dropped"):
+    for key in (
+        "accuracy",
+        "response_len",
+        "truncated",
+        "clip_frac",
+        "grad_norm",
+        "lr",
+        "tokens",
+        "time_rollout",
+        "time_train",
+        "time_push",
+        "reward_errors",
+        "groups_dropped",
+    ):
         assert all(key in r for r in rows), key
     # Held-out evaluation every 10 steps on 16 prompts. The trained model says only "a": every answer is right.
     evals = [r for r in rows if "eval_greedy_acc" in r]
@@ -69,9 +87,26 @@ def test_cpu_preset_learns_the_toy_reward(tmp_path):
 
 def test_tensor_parallel_run_with_reference_model_logged_to_offline_wandb(tmp_path):
     """tp 2 on 2 ranks with the k3 KL to a reference model and an entropy bonus; wandb offline (no network)."""
-    run = torchrun(2, "--preset", "cpu", "--tp", "2", "--beta", "0.1", "--steps", "4", "--entropy_coef", "0.01",
-                   "--sample_every", "2", "--wandb_project", "grpo-test", "--out_dir", str(tmp_path),
-                   WANDB_MODE="offline")
+    run = torchrun(
+        2,
+        "--preset",
+        "cpu",
+        "--tp",
+        "2",
+        "--beta",
+        "0.1",
+        "--steps",
+        "4",
+        "--entropy_coef",
+        "0.01",
+        "--sample_every",
+        "2",
+        "--wandb_project",
+        "grpo-test",
+        "--out_dir",
+        str(tmp_path),
+        WANDB_MODE="offline",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 4
@@ -94,8 +129,14 @@ def test_bad_flag_exits_before_loading_a_model_saying_so_once(tmp_path):
 def one_process(*flags):
     """`python train.py` as one process, as a first try of a new setting would run it."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    return subprocess.run([sys.executable, "train.py", *flags], cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "train.py", *flags],
+        cwd=ROOT,
+        env=dict(env, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_model_folder_that_does_not_exist_or_holds_no_model_is_one_line_naming_the_flag(tmp_path):
@@ -110,8 +151,7 @@ def test_a_model_folder_that_does_not_exist_or_holds_no_model_is_one_line_naming
 
 def test_a_truncated_safetensors_file_is_named_before_any_model_is_built(tmp_path):
     tokenizer = demo_tokenizer()
-    AutoModelForCausalLM.from_config(demo_config()).save_pretrained(
-        tmp_path / "model")
+    AutoModelForCausalLM.from_config(demo_config()).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     weights = tmp_path / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])  # a download cut short
@@ -129,12 +169,29 @@ def test_an_out_dir_that_cannot_be_written_stops_the_run_at_once(tmp_path):
 
 
 def test_without_evaluation_no_test_split_is_needed_and_bad_reference_answers_are_counted(tmp_path):
-    rows = [{"question": f"{i} + 1?", "answer": f"#### {i + 1}"} for i in range(7)] + [{"question": "?", "answer":
-                                                                                        "#### many"}]
+    rows = [{"question": f"{i} + 1?", "answer": f"#### {i + 1}"} for i in range(7)] + [
+        {"question": "?", "answer": "#### many"}
+    ]
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    flags = ("--preset", "cpu", "--task", "gsm8k", "--data_path", str(tmp_path / "data"), "--max_new_tokens", "8",
-             "--prompts_per_step", "4", "--steps", "1", "--eval_every", "0", "--out_dir", str(tmp_path / "out"))
+    flags = (
+        "--preset",
+        "cpu",
+        "--task",
+        "gsm8k",
+        "--data_path",
+        str(tmp_path / "data"),
+        "--max_new_tokens",
+        "8",
+        "--prompts_per_step",
+        "4",
+        "--steps",
+        "1",
+        "--eval_every",
+        "0",
+        "--out_dir",
+        str(tmp_path / "out"),
+    )
     run = one_process(*flags)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("warning: 1 of 8 train items have a reference answer that does not parse") == 1
@@ -143,40 +200,89 @@ def test_without_evaluation_no_test_split_is_needed_and_bad_reference_answers_ar
     assert f"--data_path {tmp_path}/data: no readable test split" in asked.stderr and "test.jsonl" in asked.stderr
 
 
-def test_train_py_stays_under_1000_lines():
-    with open(os.path.join(ROOT, "train.py")) as f:
-        assert len(f.readlines()) < 1000
-
-
 def test_dapo_and_dr_grpo_settings_run_end_to_end(tmp_path):
     """DAPO: token-mean loss, clip-higher, dynamic sampling, the soft overlong penalty, token-budget micro-batches;
     with the k1 KL to a CPU-kept reference subtracted from the reward. Then Dr. GRPO: constant normaliser, no std."""
     dapo = tmp_path / "dapo"
-    run = torchrun(2, "--preset", "cpu", "--steps", "4", "--eval_every", "0", "--loss_agg", "token",
-                   "--clip_high", "0.28", "--dynamic_sampling_rounds", "3", "--overlong_buffer", "4",
-                   "--max_tokens_per_microbatch", "200", "--beta", "0.05", "--kl_in_reward", "true",
-                   "--kl_estimator", "k1", "--out_dir", str(dapo))
+    run = torchrun(
+        2,
+        "--preset",
+        "cpu",
+        "--steps",
+        "4",
+        "--eval_every",
+        "0",
+        "--loss_agg",
+        "token",
+        "--clip_high",
+        "0.28",
+        "--dynamic_sampling_rounds",
+        "3",
+        "--overlong_buffer",
+        "4",
+        "--max_tokens_per_microbatch",
+        "200",
+        "--beta",
+        "0.05",
+        "--kl_in_reward",
+        "true",
+        "--kl_estimator",
+        "k1",
+        "--out_dir",
+        str(dapo),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(dapo)
     assert len(rows) == 4 and all("groups_dropped" in r for r in rows)
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-9) and rows[-1]["kl"] != 0  # k1 can be negative
     dr_grpo = tmp_path / "dr_grpo"
-    run = torchrun(2, "--preset", "cpu", "--steps", "6", "--eval_every", "0", "--loss_agg", "constant",
-                   "--scale_std", "false", "--lr", "0.1", "--out_dir", str(dr_grpo))
+    run = torchrun(
+        2,
+        "--preset",
+        "cpu",
+        "--steps",
+        "6",
+        "--eval_every",
+        "0",
+        "--loss_agg",
+        "constant",
+        "--scale_std",
+        "false",
+        "--lr",
+        "0.1",
+        "--out_dir",
+        str(dr_grpo),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(dr_grpo)
     assert rows[-1]["reward"] > rows[0]["reward"]
 
 
-@pytest.mark.parametrize("flags", [
-    ("--ratio_level", "sequence", "--loss_agg", "sequence", "--clip_low", "3e-4", "--clip_high", "4e-4"),  # GSPO
-    ("--objective", "cispo"),
-    ("--tis_cap", "2", "--is_mode", "mask", "--is_level", "sequence"),
-], ids=["gspo", "cispo", "masked_is"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--ratio_level", "sequence", "--loss_agg", "sequence", "--clip_low", "3e-4", "--clip_high", "4e-4"),  # GSPO
+        ("--objective", "cispo"),
+        ("--tis_cap", "2", "--is_mode", "mask", "--is_level", "sequence"),
+    ],
+    ids=["gspo", "cispo", "masked_is"],
+)
 def test_gspo_cispo_and_masked_importance_sampling_learn_the_toy_reward(flags, tmp_path):
     """Two mini-batches a step, so the ratio leaves 1 in the second and GSPO's tiny clip range binds."""
-    run = torchrun(2, "--preset", "cpu", "--steps", "15", "--eval_every", "0", "--num_minibatches", "2", *flags,
-                   "--out_dir", str(tmp_path))
+    run = torchrun(
+        2,
+        "--preset",
+        "cpu",
+        "--steps",
+        "15",
+        "--eval_every",
+        "0",
+        "--num_minibatches",
+        "2",
+        *flags,
+        "--out_dir",
+        str(tmp_path),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(tmp_path)
     assert rows[0]["reward"] < 0.3 and rows[-1]["reward"] > 0.8
@@ -190,14 +296,34 @@ def test_gspo_cispo_and_masked_importance_sampling_learn_the_toy_reward(flags, t
 
 def test_python_train_py_runs_as_one_process_without_torchrun(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    run = subprocess.run([sys.executable, "train.py", "--preset", "cpu", "--steps", "3", "--eval_every", "0",
-                          "--out_dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--preset",
+            "cpu",
+            "--steps",
+            "3",
+            "--eval_every",
+            "0",
+            "--out_dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
 
 
 def open_run_dir(rank, world, out_dir):
-    return train.open_run_dir(train.Config(out_dir=out_dir), train.parallel_groups("cpu", 1), 2, None)
+    """As train.main: rank 0 opens the run folder at start step 2, then every rank checks that it sees it."""
+    cfg, par = train.Config(out_dir=out_dir), launch.parallel_groups("cpu", 1)
+    run_id = launch.on_first_rank(par.world_group, checkpoint.open_run_dir, cfg, 2, None)
+    checkpoint.check_every_rank_sees(cfg.out_dir, run_id, par.world_group)
 
 
 def test_a_metrics_line_torn_by_a_crash_does_not_block_resuming(tmp_path):
@@ -211,22 +337,24 @@ def readme_section(title):
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
     start = text.index(f"\n## {title}\n")
-    return text[start:text.index("\n## ", start + 1)]
+    return text[start : text.index("\n## ", start + 1)]
 
 
 def test_a_new_task_in_two_edits_learns_from_a_jsonl_folder(tmp_path):
     """README "Your own task", done as a user would: its Python makes the jsonl folder, its two code blocks go into a
-    copy of train.py (PromptDataset.__getitem__) and reward.py (reward_fn), and its command trains, reward rising."""
-    make_data, getitem_branch, reward_branch = re.findall(r"```python\n(.*?)```", readme_section("Your own task"),
-                                                          re.S)
+    copy of reward.py (PromptDataset.__getitem__ and reward_fn), and its command trains, reward rising."""
+    make_data, getitem_branch, reward_branch = re.findall(r"```python\n(.*?)```", readme_section("Your own task"), re.S)
     with open(os.path.join(ROOT, "reward.py")) as f:
         source = f.read()
-    for anchor, branch in (('        if task == "toy":\n', getitem_branch),
-                           ('    raise ValueError(f"unknown task', reward_branch)):
+    for anchor, branch in (
+        ('        if task == "toy":\n', getitem_branch),
+        ('    raise ValueError(f"unknown task', reward_branch),
+    ):
         assert source.count(anchor) == 1, anchor  # the one place the README's edit goes
         source = source.replace(anchor, branch + anchor)
+    for path in glob.glob(os.path.join(ROOT, "*.py")):  # train.py and the modules beside it
+        shutil.copy(path, tmp_path)
     (tmp_path / "reward.py").write_text(source)
-    shutil.copy(os.path.join(ROOT, "train.py"), tmp_path)
     subprocess.run([sys.executable, "-c", make_data], cwd=tmp_path, check=True)
     [command] = [line for line in readme_section("Your own task").splitlines() if line.startswith("torchrun")]
     flags = command.split("train.py ")[1].split()
@@ -247,8 +375,17 @@ def test_an_unknown_task_stops_at_once_naming_the_flag_and_the_tasks_with_data(t
     (tmp_path / "data").mkdir()
     for split in ("train", "test"):
         (tmp_path / "data" / f"{split}.jsonl").write_text('{"x": 1}\n' * 16)
-    with_data = torchrun(2, "--preset", "cpu", "--task", "mnist", "--data_path", str(tmp_path / "data"),
-                         "--out_dir", str(tmp_path / "out"))
+    with_data = torchrun(
+        2,
+        "--preset",
+        "cpu",
+        "--task",
+        "mnist",
+        "--data_path",
+        str(tmp_path / "data"),
+        "--out_dir",
+        str(tmp_path / "out"),
+    )
     out = with_data.stdout + with_data.stderr
     assert with_data.returncode != 0 and "loading" not in out and "[rank1]" not in out
     assert out.count("--task mnist: PromptDataset.__getitem__ in reward.py has no branch for it") == 1
@@ -261,16 +398,57 @@ def test_a_flag_argparse_cannot_read_is_said_once_under_torchrun(tmp_path):
     assert out.count("usage: train.py") == 1
 
 
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (("--prompts_per_setp", "4"), "unrecognized arguments: --prompts_per_setp 4"),
+        (("--prompts_per_step", "3"), "--prompts_per_step 3 must divide by dp = 2"),
+        (("--task", "mnist"), "--task mnist: reward.py has no data for it"),
+    ],
+    ids=["unknown_flag", "flag_out_of_range", "unknown_task"],
+)
+def test_a_refusal_is_said_once_even_when_rank_0_starts_last(flags, said, tmp_path):
+    """Rank 0 starts 3 s after rank 1 (tests/slow_first_rank.py), as it may on a loaded machine. torchrun stops every
+    rank once one exits with an error, so no rank may exit before rank 0 has said why."""
+    run = torchrun(2, "--preset", "cpu", *flags, "--out_dir", str(tmp_path), script="tests/slow_first_rank.py")
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and out.count(said) == 1, out[-3000:]
+    assert "loading" not in out
+
+
 def test_wandb_without_an_api_key_stops_in_one_line_before_the_model_loads(tmp_path):
     """wandb.init starts before the model loads: without a key (here no ~/.netrc, no WANDB_API_KEY, no terminal to
     ask in) the run stops at once, saying how to log in or to log offline, and writes no config.json."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                          "train.py", "--preset", "cpu", "--wandb_project", "p", "--out_dir", str(tmp_path / "out")],
-                         cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1", HOME=str(tmp_path)), capture_output=True,
-                         text=True, timeout=300, stdin=subprocess.DEVNULL)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--standalone",
+            "train.py",
+            "--preset",
+            "cpu",
+            "--wandb_project",
+            "p",
+            "--out_dir",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        env=dict(env, OMP_NUM_THREADS="1", HOME=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     out = run.stdout + run.stderr
     assert run.returncode != 0 and "loading" not in out, out[-3000:]
-    assert out.count("--wandb_project p: No API key configured. Use `wandb login` to log in. (log offline with "
-                     "WANDB_MODE=offline)") == 1, out[-3000:]
+    assert (
+        out.count(
+            "--wandb_project p: No API key configured. Use `wandb login` to log in. (log offline with "
+            "WANDB_MODE=offline)"
+        )
+        == 1
+    ), out[-3000:]
     assert not os.path.exists(tmp_path / "out" / "config.json")

@@ -1,5 +1,6 @@
 """Run a function on N gloo ranks forked from the test process: torch is already imported, so a 2-rank run
 takes about a second instead of the ~7 s a fresh torchrun costs."""
+
 import multiprocessing
 import os
 import socket

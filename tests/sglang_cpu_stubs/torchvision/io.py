@@ -1,4 +1,5 @@
 """Stub (see torchvision/__init__.py): transformers.image_utils imports ImageReadMode and decode_image."""
+
 import enum
 
 from torchvision import placeholder

@@ -1,4 +1,5 @@
 """Stub (see torchvision/__init__.py): InterpolationMode is used at module level (in default arguments)."""
+
 import enum
 
 from torchvision import placeholder

@@ -1,4 +1,5 @@
 """Stub (see torchvision/__init__.py)."""
+
 from torchvision import placeholder
 from torchvision.transforms import InterpolationMode  # noqa: F401
 

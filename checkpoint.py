@@ -1,0 +1,347 @@
+"""Weights in and out of files, for train.py: the model (tokenizer, config, first weights) from an HF folder or
+the hub, and the checkpoints that let a run stop and go on exactly.
+
+A checkpoint is a folder checkpoints/step_N under --out_dir:
+    dcp/                 the trained parameters and their AdamW state, sharded as the ranks hold them (exact resume)
+    hf/                  the policy as a transformers folder (LoRA merged in), which loads in transformers and engines
+    adapter/             with --lora_rank: the adapters alone, in PEFT's layout
+    trainer_state.json   the step, the flags, wandb's run id and every file's size (a damaged checkpoint is seen)
+It is written as step_N.tmp and renamed when whole, so a crash or a power cut leaves the old checkpoint or the new.
+
+This is machinery a researcher rarely edits. train.py calls it to load (tokenizer_and_config, weight_files,
+load_weights), to resume (find_resume, resume) and to save (save).
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from huggingface_hub import snapshot_download
+from safetensors.torch import load_file, safe_open, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2Tokenizer
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model: its tokenizer, config and first weights
+
+
+def tokenizer_and_config(model, lora_rank=0):
+    """--model's tokenizer and config, from its folder or the hub; "tiny": made here (tiny_tokenizer_and_config)."""
+    if model == "tiny":
+        return tiny_tokenizer_and_config(lora_rank)
+    try:
+        return AutoTokenizer.from_pretrained(model), AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as error:  # a name that is no folder here is looked up on the hub
+        first_line = str(error).splitlines()[0]
+        raise SystemExit(f"--model {model}: not a model's folder, nor a hub id: {first_line}") from None
+
+
+def tiny_tokenizer_and_config(lora_rank):
+    """--model tiny, the CPU demo's: a character tokenizer (printable ASCII; " " is Ġ) and a random 2-layer Qwen2
+    config. Its weights are drawn in load_weights."""
+    chars = []
+    for code in [*range(9, 14), *range(32, 127)]:
+        chars.append(chr(code) if code > 32 else chr(256 + code))
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *chars]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        eos_token_id=[vocab["<|endoftext|>"], vocab["<|im_end|>"]],  # both end a response, as for Qwen
+        pad_token_id=0,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        # Frozen under LoRA: wide enough that the adapters can move the logits.
+        initializer_range=0.2 if lora_rank else 0.02,
+        architectures=["Qwen2ForCausalLM"],  # SGLang reads architectures
+    )
+    return tokenizer, config
+
+
+def weight_files(model):
+    """On rank 0: the model*.safetensors files of --model (a hub id is downloaded), each checked to be whole."""
+    if os.path.isdir(model):
+        folder = model
+    else:
+        folder = snapshot_download(model, allow_patterns="*.safetensors")
+    files = sorted(map(str, pathlib.Path(folder).glob("model*.safetensors")))
+    for file in files:
+        try:
+            # Reads the header, which must cover the whole file.
+            safe_open(file, "pt")
+        except Exception as error:  # a truncated download, a full disk at save time
+            raise SystemExit(f"--model: {file} cannot be read ({error}): download or save it again") from None
+    return files
+
+
+def load_weights(models, files, cfg, model_config, world_group):
+    """`files` (from weight_files; [None] for --model tiny) into the sharded models, one file at a time, read by
+    rank 0: host memory holds one file at most. LoRA's adapters are not in them: train.init_adapters sets those."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    loaded = set()
+    if model_config.tie_word_embeddings:
+        loaded.add("lm_head.weight")  # the embedding
+    torch.manual_seed(cfg.seed)  # --model tiny: random weights, seeded with --seed
+    for part in files:
+        state = {}
+        if dist.get_rank() == 0 and part is None:
+            state = AutoModelForCausalLM.from_config(model_config).state_dict()
+        elif dist.get_rank() == 0:
+            state = load_file(part)
+        loaded |= state.keys()
+        for model in models:
+            # A shallow copy: set_model_state_dict replaces the dict's entries with their shards.
+            set_model_state_dict(model, dict(state), options=options)
+    names = [loaded]
+    dist.broadcast_object_list(names, src=0, group=world_group)  # what rank 0 read
+    expected = [name for name in models[0].state_dict() if ".lora_" not in name]
+    missing = sorted(set(expected) - names[0])
+    if missing:
+        raise SystemExit(
+            f"--model {cfg.model}: its model*.safetensors files lack {missing[:3]} ({len(missing)} tensors); "
+            "save the model with save_pretrained"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run folder: config.json, metrics.jsonl, wandb/ and checkpoints/
+
+
+def open_run_dir(cfg, start_step, wandb_id):
+    """On rank 0: wandb started (wandb.run), config.json written with a new run id, which is returned, and
+    metrics.jsonl cut back to start_step (the steps after it run again)."""
+    config = dict(dataclasses.asdict(cfg), run_id=os.urandom(8).hex())  # new: a folder only one node sees lacks it
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        if cfg.wandb_project:
+            import wandb
+
+            wandb.init(project=cfg.wandb_project, config=config, id=wandb_id, resume="allow", dir=cfg.out_dir)
+        pathlib.Path(cfg.out_dir, "config.json").write_text(json.dumps(config, indent=1))
+    except OSError as error:
+        raise SystemExit(
+            f"--out_dir {cfg.out_dir}: cannot write there ({error.strerror}): choose another folder"
+        ) from None
+    except Exception as error:  # wandb.init's: no API key (in a terminal it asks for one), no network
+        raise SystemExit(
+            f"--wandb_project {cfg.wandb_project}: {error} (log offline with WANDB_MODE=offline)"
+        ) from None
+    metrics = pathlib.Path(cfg.out_dir, "metrics.jsonl")
+    if metrics.exists():
+        kept = []
+        for line in metrics.read_text().splitlines(keepends=True):
+            # A line torn by a crash has no newline.
+            if line.endswith("\n") and json.loads(line)["step"] <= start_step:
+                kept.append(line)
+        metrics.write_text("".join(kept))
+    return config["run_id"]
+
+
+def check_every_rank_sees(out_dir, run_id, world_group):
+    """Checkpoints are written to --out_dir and read by every rank: each must see rank 0's config.json there."""
+    path = pathlib.Path(out_dir, "config.json")
+    seen = torch.tensor(int(path.exists() and run_id in path.read_text()))
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN, group=world_group)
+    if not seen:
+        raise SystemExit(
+            f"--out_dir {out_dir}: ranks on other nodes do not see what rank 0 writes there; it must be a folder "
+            "every node sees (a shared file system), as the same path on each"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Saving a checkpoint
+
+
+def training_state(model, optimizer):
+    """What dcp/ holds: the trained parameters (LoRA: the adapters; a tied lm_head named once) and AdamW's state."""
+    trained = {name: param for name, param in model.named_parameters() if param.requires_grad}
+    return {"model": trained, "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+def save(cfg, step, model, optimizer, tokenizer, full_weights, wandb_id, world_group):
+    """checkpoints/step_N, written as step_N.tmp and then renamed; `full_weights` yields (HF name, full fp32 tensor)
+    for hf/, on every rank (gathering is a collective). Data, sampling and the learning rate follow from the step."""
+    rank = dist.get_rank()
+    final = os.path.join(cfg.out_dir, "checkpoints", f"step_{step:06d}")
+    tmp = final + ".tmp"
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier(group=world_group)
+        state = training_state(model, optimizer)
+        dcp.save(state, checkpoint_id=f"{tmp}/dcp")
+        weights = {}
+        for name, tensor in full_weights:
+            if rank == 0:
+                weights[name] = tensor.cpu()
+        adapters = {}
+        for name, param in state["model"].items():
+            if ".lora_" in name:
+                adapters[f"base_model.model.{name}"] = param.detach().full_tensor().cpu()
+        if rank == 0:
+            write_files(tmp, cfg, step, model, tokenizer, weights, adapters, wandb_id)
+            # Every file and folder on disk before the rename, the rename after: a power cut leaves one whole
+            # checkpoint, the old or the new.
+            os.sync()
+            os.replace(tmp, final)
+            os.sync()
+            # The oldest, and the .tmp of saves that a kill cut off.
+            for old in checkpoints(cfg.out_dir)[: -cfg.keep_checkpoints] + checkpoints(cfg.out_dir, ".tmp"):
+                shutil.rmtree(old)
+    except BaseException as error:  # a full disk (dcp raises a BaseException): no half-written folder is left
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = str(error).strip().splitlines()[-1][:300]
+        raise SystemExit(
+            f"saving {final} failed ({why}); removed {tmp}: free space under --out_dir, then --resume auto "
+            "continues from the last checkpoint"
+        ) from None
+    dist.barrier(group=world_group)
+    return final
+
+
+def write_files(folder, cfg, step, model, tokenizer, weights, adapters, wandb_id):
+    """On rank 0: hf/ (safetensors files of 5 GB at most, which load_weights streams one at a time), adapter/ under
+    LoRA, and trainer_state.json last, with the size of every file before it."""
+    hf = os.path.join(folder, "hf")
+    model.save_pretrained(hf, state_dict=weights, max_shard_size="5GB")
+    tokenizer.save_pretrained(hf)
+    for file in pathlib.Path(hf).iterdir():
+        os.chmod(file, 0o644)  # transformers writes the weights 0600; readable like the rest
+    if adapters:
+        # PEFT's layout: peft.PeftModel.from_pretrained(base model, "adapter") loads it.
+        os.makedirs(os.path.join(folder, "adapter"))
+        save_file(adapters, os.path.join(folder, "adapter", "adapter_model.safetensors"))
+        targets = sorted({name.split(".")[-3] for name in adapters})  # q_proj, ..., of "...q_proj.lora_A.weight"
+        adapter_config = dict(
+            peft_type="LORA",
+            task_type="CAUSAL_LM",
+            r=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha,
+            target_modules=targets,
+            base_model_name_or_path=cfg.model,
+        )
+        pathlib.Path(folder, "adapter", "adapter_config.json").write_text(json.dumps(adapter_config))
+    files = {}
+    for file in pathlib.Path(folder).rglob("*"):
+        if file.is_file():
+            files[str(file.relative_to(folder))] = file.stat().st_size
+    # A resume reads the step, checks the flags and the sizes.
+    state = dict(step=step, wandb_id=wandb_id, config=dataclasses.asdict(cfg), files=files)
+    pathlib.Path(folder, "trainer_state.json").write_text(json.dumps(state))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Finding a checkpoint and resuming from it
+
+
+def what_is_damaged(path):
+    """What is missing, cut short or unreadable in checkpoint `path`, by trainer_state.json's sizes; "" if nothing."""
+    try:
+        state = json.loads(pathlib.Path(path, "trainer_state.json").read_text())
+        sizes = state.get("files", {})  # older checkpoints: no sizes
+        for name, size in sizes.items():
+            # A missing file raises an OSError, which names it.
+            if os.path.getsize(os.path.join(path, name)) != size:
+                return f"{name} is not the {size} bytes saved"
+        return ""
+    except (ValueError, AttributeError):
+        return "trainer_state.json is not the JSON saved"
+    except OSError as error:
+        return f"{error.strerror}: {error.filename}"
+
+
+def checkpoints(out_dir, suffix=""):
+    """Complete checkpoints under out_dir, oldest first; with suffix ".tmp", the saves in progress or cut off."""
+    return sorted(map(str, pathlib.Path(out_dir, "checkpoints").glob("step_" + "[0-9]" * 6 + suffix)))
+
+
+def find_resume(cfg, model_config):
+    """The folder --resume names ("auto": the newest whole one under --out_dir; "": none), its step and wandb id.
+    On rank 0, before any model is built: a checkpoint that cannot be resumed stops the run in one line."""
+    found = checkpoints(cfg.out_dir)
+    path = cfg.resume
+    if cfg.resume == "auto":
+        # Damaged ones are moved out of the way of the saves to come.
+        while found and (why := what_is_damaged(found[-1])):
+            print(f"--resume auto: skipping {found[-1]} ({why}), moved to {found[-1]}.damaged", flush=True)
+            os.replace(found[-1], found.pop() + ".damaged")
+        path = found[-1] if found else ""
+    step = 0
+    wandb_id = None
+    if path:
+        state = checked_state(path, cfg, model_config)
+        step = state["step"]
+        wandb_id = state["wandb_id"]
+    later = [folder for folder in found if int(folder[-6:]) > step]
+    if later:  # this run's saves would collide with them, or mix with them
+        raise SystemExit(
+            f"--out_dir {cfg.out_dir} holds checkpoints after step {step} ({later[-1]}): --resume auto continues "
+            "the newest; else delete them, or use another --out_dir"
+        )
+    return path, step, wandb_id
+
+
+def checked_state(path, cfg, model_config):
+    """trainer_state.json of checkpoint `path`, once the checkpoint is whole and fits the flags and --model."""
+    why = what_is_damaged(path)
+    if why:
+        raise SystemExit(f"--resume {path}: not a whole checkpoint ({why}): --resume auto takes the newest whole one")
+    state = json.loads(pathlib.Path(path, "trainer_state.json").read_text())
+    check_lora_flags(cfg, path, state.get("config", {}))
+    if state["step"] >= cfg.steps:
+        raise SystemExit(f"--resume {path} is at step {state['step']}, --steps {cfg.steps}: raise --steps to go on")
+    saved = AutoConfig.from_pretrained(os.path.join(path, "hf"))
+    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+        was = getattr(saved, key, None)
+        now = getattr(model_config, key, None)
+        if was != now:
+            raise SystemExit(f"--resume {path} is of another model ({key} {was}, --model's {now}): pass its --model")
+    changed = []
+    for key, value in state.get("config", {}).items():
+        if key != "resume" and value != getattr(cfg, key, value):
+            changed.append(f"--{key} {value} -> {getattr(cfg, key)}")
+    if changed:
+        print(f"resuming {path} with flags changed since it was saved: {', '.join(changed)}", flush=True)
+    return state
+
+
+def check_lora_flags(cfg, path, saved_flags):
+    """Another --lora_rank trains other parameters; another --lora_alpha rescales the trained B A, so the policy
+    would jump at the first step. A checkpoint from before LoRA existed counts as the defaults."""
+    defaults = {field.name: field.default for field in dataclasses.fields(cfg)}
+    for key in ("lora_rank", "lora_alpha"):
+        saved_value = saved_flags.get(key, defaults[key])
+        alpha_without_lora = key == "lora_alpha" and not cfg.lora_rank  # alpha scales nothing then
+        if saved_value != getattr(cfg, key) and not alpha_without_lora:
+            raise SystemExit(f"--resume {path} was trained with --{key} {saved_value}: resume with that --{key}")
+
+
+def resume(path, model, optimizer):
+    """The trained parameters (in place) and AdamW's state as save wrote them."""
+    state = training_state(model, optimizer)
+    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+    set_optimizer_state_dict(model, optimizer, state["optim"])

@@ -1,0 +1,272 @@
+"""The engines that generate rollouts for train.py: HF generate on a CPU, in-process SGLang on GPUs.
+
+One engine per TP group of the trainer, run by the group's first rank (the owner). train.py asks it for samples
+(generate), hands it memory back and forth (release_memory before training, begin_update / end_update around a
+push) and pushes the new weights in buckets (update) after every step. This is machinery a researcher rarely edits:
+the interface is Engine's, and start_engine picks the engine for --engine.
+"""
+
+import os
+import signal
+import socket
+
+import torch
+import torch.distributed as dist
+import transformers
+from transformers import AutoModelForCausalLM
+
+
+class Engine:
+    """What the trainer asks of an engine. generate() runs on the TP group's first rank, the owner; every rank of
+    the group calls the rest. Memory and update calls that an engine does not need do nothing here."""
+
+    push_dtype = torch.float32  # of the pushed tensors
+
+    def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):
+        """Per prompt: the sampled ids, stop included, and their log-probs under logits / temperature."""
+        raise NotImplementedError
+
+    def release_memory(self):
+        """Weights and KV cache freed for training (after the rollouts)."""
+
+    def begin_update(self):
+        """Before a push: the weights' memory back."""
+
+    def update(self, bucket, group):
+        """One bucket of (HF name, full tensor) pairs, on every rank of the TP group `group`."""
+        raise NotImplementedError
+
+    def end_update(self):
+        """After a push: the cache flushed, the KV cache's memory back."""
+
+    def shutdown(self):
+        """The engine's processes ended."""
+
+
+class IdleEngine(Engine):
+    """On an HF engine's TP group, the ranks but the first: the owner generates for them, and loads its own copy."""
+
+    def update(self, bucket, group):
+        pass
+
+
+class HFEngine(Engine):
+    """HF generate on the owner's unsharded fp32 copy of the policy; the push hands it each bucket as a state dict."""
+
+    batch_bytes = 1 << 30  # generate keeps every step's fp32 logits [prompts, T, V]: this much at most, then batches
+
+    def __init__(self, model_config, device):
+        self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).to(device).eval()
+
+    def update(self, bucket, group):
+        self.model.load_state_dict(dict(bucket), strict=False)  # check_pushed_names vouches for the names
+
+    def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):
+        logits_bytes = max(budgets) * self.model.config.vocab_size * 4
+        batch = max(1, self.batch_bytes // logits_bytes)
+        outputs = []
+        for i in range(0, len(prompts), batch):  # each batch seeded afresh
+            outputs += self.generate_batch(
+                prompts[i : i + batch], budgets[i : i + batch], temperature, top_p, stop_ids, seed + i
+            )
+        return outputs
+
+    def generate_batch(self, prompts, budgets, temperature, top_p, stop_ids, seed):
+        longest = max(map(len, prompts))
+        device = self.model.device
+        # Left-padded, the padding masked.
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+        sampling = {}
+        if temperature > 0:
+            sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        with torch.random.fork_rng(devices=[]):  # seeded sampling that leaves the global RNG alone
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max(budgets),
+                eos_token_id=stop_ids,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+                output_logits=True,
+                **sampling,
+            )
+        logprobs = torch.log_softmax(torch.stack(out.logits, 1).float() / (temperature or 1.0), -1)  # [N, T, V]
+        results = []
+        for seq, budget, seq_logprobs in zip(out.sequences[:, longest:].tolist(), budgets, logprobs):
+            seq = seq[:budget]  # a budget below the batch's longest
+            stop = next((t for t, token in enumerate(seq) if token in stop_ids), None)
+            if stop is not None:
+                seq = seq[: stop + 1]
+            results.append((seq, seq_logprobs[torch.arange(len(seq)), seq].cpu()))
+        return results
+
+
+def start_engine(cfg, model_config, par, device):
+    """One engine per TP group, run by its first rank; the group's other ranks hold what takes part in a push."""
+    owner = par.mesh["tp"].get_local_rank() == 0
+    if cfg.engine == "hf" and owner:
+        return HFEngine(model_config, device)
+    if cfg.engine == "hf":
+        return IdleEngine()
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    if torch.cuda.is_available():
+        # On every rank that sends shards: CUDA IPC handles name GPUs by UUID, as the engine's side expects.
+        monkey_patch_torch_reductions()
+    first_gpu = int(os.environ.get("LOCAL_RANK", 0))  # the TP group's first GPU, on the owner
+    with socket.socket() as port:
+        # Free (or --engine_port's), and held until every engine of the node has its own.
+        port.bind(("127.0.0.1", cfg.engine_port + first_gpu if cfg.engine_port else 0))
+        nccl_port = port.getsockname()[1]
+        dist.barrier(group=par.world_group)
+    if owner:
+        return SGLangEngine(cfg, model_config, first_gpu, nccl_port)
+    return SGLangPeer()
+
+
+class SGLangPeer(Engine):
+    """The ranks of an SGLang TP group but the first: each sends its bucket to the owner, which loads them all."""
+
+    push_dtype = torch.bfloat16
+
+    def update(self, bucket, group):
+        gather_bucket(bucket, group)
+
+
+def gather_bucket(bucket, group):
+    """Every rank's bucket, serialized by CUDA IPC handle, to the group's first rank (None elsewhere). Engine TP
+    rank i reads trainer rank i's copy, from its own GPU."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    flat = FlattenedTensorBucket(named_tensors=bucket)
+    payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+    owner = dist.get_rank(group) == 0
+    ranks = [None] * dist.get_world_size(group) if owner else None
+    serialized = MultiprocessingSerializer.serialize(payload, output_str=True)
+    dist.gather_object(serialized, ranks, dst=dist.get_global_rank(group, 0), group=group)
+    return ranks
+
+
+class SGLangEngine(Engine):
+    """In-process SGLang on the TP group's GPUs, run by the owner; bf16 buckets come by CUDA IPC, not through disk."""
+
+    push_dtype = torch.bfloat16
+
+    def __init__(self, cfg, model_config, first_gpu, nccl_port):
+        import sglang
+
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # or its schedulers hang joining torchrun's store
+        os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "false"  # GPUs >10% apart in free memory: safe
+        config_dir = os.path.join(cfg.out_dir, f"engine_model_rank{dist.get_rank()}")  # read from disk by SGLang
+        model_config.save_pretrained(config_dir)
+        # The engine's processes inherit ignored SIGINT / SIGTERM: torchrun's signals are the trainer's to act on.
+        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.engine = sglang.Engine(
+            model_path=config_dir,
+            load_format="dummy",  # the first push brings the weights
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            tp_size=cfg.tp,
+            dp_size=1,
+            base_gpu_id=first_gpu,
+            nccl_port=nccl_port,
+            random_seed=cfg.seed + dist.get_rank(),
+            enable_memory_saver=True,
+            mem_fraction_static=cfg.mem_fraction,
+            log_level="error",
+            enable_fp32_lm_head=True,  # logits in fp32 from bf16 inputs, as the trainer's (sglang 0.5.3 and newer)
+        )
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        # The first request starts SGLang's event loop, which installs its own SIGTERM handler: the trainer's wins.
+        self.engine.generate(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
+
+    def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):  # seeded at start, by --seed
+        sampling = []
+        for budget in budgets:
+            sampling.append(dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_ids, max_new_tokens=budget))
+        outputs = self.engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True)
+        results = []
+        for out in outputs:
+            logprobs = [logprob for logprob, _, _ in out["meta_info"]["output_token_logprobs"]]
+            results.append((out["output_ids"], torch.tensor(logprobs)))
+        return results
+
+    def release_memory(self):
+        self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
+
+    def begin_update(self):
+        self.engine.resume_memory_occupation(tags=["weights"])  # freed, not kept: every weight is pushed
+        if hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.21: updates need a session
+            self.engine.begin_weight_update()
+
+    def update(self, bucket, group):
+        ranks = gather_bucket(bucket, group)
+        result = self.engine.update_weights_from_tensor(ranks, load_format="flattened_bucket", flush_cache=False)
+        if not result[0]:  # SGLang reports a failed weight update as (False, why) rather than raising
+            raise RuntimeError(f"SGLang weight update failed: {result[1]}")
+
+    def end_update(self):
+        if hasattr(self.engine, "end_weight_update"):
+            self.engine.end_weight_update()
+        self.engine.flush_cache()  # cached prefixes were computed with the old weights
+        self.engine.resume_memory_occupation(tags=["kv_cache"])
+
+    def shutdown(self):
+        self.engine.shutdown()  # and its scheduler processes
+
+
+def free_gpu_cache(group):
+    """Freed GPU memory (IPC handles released by the engine too) back to the device, then wait for the group."""
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+    dist.barrier(group=group)
+
+
+def check_pushed_names(model, model_config):
+    """Pushed names and shapes must be those of SGLang's `architectures` class: it skips unknown names silently."""
+    architecture = (model_config.architectures or [""])[0]
+    if not hasattr(transformers, architecture):
+        raise SystemExit(f"`architectures` in --model's config.json is {architecture!r}: no class of transformers")
+    with torch.device("meta"):
+        engine_model = getattr(transformers, architecture)(model_config)
+    expected = {name: list(param.shape) for name, param in engine_model.named_parameters()}
+    pushed = {}
+    for name, param in model.named_parameters():
+        if ".lora_" not in name:
+            pushed[name] = list(param.shape)
+    for name in [*pushed, *sorted(expected.keys() - pushed.keys())]:  # the model's order, then what it lacks
+        if pushed.get(name) != expected.get(name):
+            raise SystemExit(
+                f"the trainer pushes {name} as {pushed.get(name)}, the engine's {architecture} has it as "
+                f"{expected.get(name)}: check `architectures` in --model's config.json"
+            )
+
+
+def weight_buckets(weights, bucket_bytes):
+    """(name, tensor) pairs from `weights` in lists of about bucket_bytes."""
+    bucket = []
+    for name, weight in weights:
+        bucket.append((name, weight))
+        if sum(tensor.nbytes for _, tensor in bucket) >= bucket_bytes:
+            yield bucket
+            bucket = []
+    if bucket:
+        yield bucket
+
+
+def push_weights(weights, engine, bucket_mb, tp_group):
+    """`weights`, (HF name, full tensor in engine.push_dtype) pairs, into the engine in buckets of --bucket_mb; the
+    engine's memory was released at the rollouts' end. Every rank of the TP group runs it."""
+    free_gpu_cache(tp_group)  # the trainer's cached blocks back to the GPU before the engine's weights come back
+    engine.begin_update()
+    for bucket in weight_buckets(weights, bucket_mb << 20):
+        engine.update(bucket, tp_group)
+        dist.barrier(group=tp_group)  # the others gather the next bucket only once the owner has loaded this one
+    del bucket  # the last: nothing of the push stays referenced
+    free_gpu_cache(tp_group)  # the buckets' memory back to the GPU before the engine's KV cache comes back
+    engine.end_update()

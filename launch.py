@@ -1,0 +1,147 @@
+"""How train.py runs as processes under torchrun: the process group, the (dp, tp) device mesh and gloo groups, work
+done once on a group's first rank, progress lines, stopping on a signal, and every rank exiting together with rank 0
+saying why.
+
+Machinery a researcher rarely edits; `python train.py` (one process, no torchrun) goes through the same code.
+"""
+
+import contextlib
+import datetime
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def init_distributed():
+    """Rank, world size and device from torchrun's environment (one process without it), and the default process
+    group: NCCL for GPU tensors, gloo for CPU ones."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    store = None if "MASTER_ADDR" in os.environ else dist.HashStore()  # `python train.py`: one process, no torchrun
+    dist.init_process_group(
+        "cuda:nccl,cpu:gloo" if cuda else "gloo",
+        rank=rank,
+        world_size=world,
+        store=store,
+        timeout=datetime.timedelta(hours=1),  # covers a start
+        device_id=device if cuda else None,
+    )
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # none changed in place
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # TP's few small tensors
+    transformers.utils.logging.disable_progress_bar()
+    return rank, world, device
+
+
+@dataclass
+class Parallel:
+    """The device mesh over (dp, tp), which shards the model; and gloo process groups over the world, dp and tp, for
+    waits and Python objects: a rank waiting there spins no NCCL kernel on the GPU that the engine uses."""
+
+    mesh: DeviceMesh
+    world_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+
+
+def parallel_groups(device_type, tp):
+    """Parallel for a (world / tp, tp) layout: dp ranks apart by tp, a TP group's ranks next to each other."""
+    shape = (dist.get_world_size() // tp, tp)
+    names = ("dp", "tp")
+    gloo = init_device_mesh("cpu", shape, mesh_dim_names=names, backend_override=dict.fromkeys(names, "gloo"))
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    world_group = dist.new_group(backend="gloo")
+    return Parallel(mesh, world_group, gloo["dp"].get_group(), gloo["tp"].get_group())
+
+
+def on_first_rank(group, work, *args):
+    """work(*args) on the group's first rank, sent to the group: one answer; a SystemExit there stops every rank."""
+    box = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = work(*args)
+        except SystemExit as error:  # a check made on one rank: the others would fail in the next collective
+            box[0] = error
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    if isinstance(box[0], SystemExit):
+        raise box[0]
+    return box[0]
+
+
+@contextlib.contextmanager
+def announce(what, rank):
+    """On rank 0: what is being done, then how long it took."""
+    start = time.perf_counter()
+    if rank == 0:
+        print(f"{what}...", end=" ", flush=True)
+    yield
+    if rank == 0:
+        print(f"{time.perf_counter() - start:.1f}s", flush=True)
+
+
+def stop_on_signal(rank):
+    """An event set by SIGTERM or Ctrl-C: the run finishes its step, saves and exits (README: stop and resume)."""
+    stop = threading.Event()
+
+    def request_stop(signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C raises KeyboardInterrupt
+        if rank == 0 and not stop.is_set():
+            print(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint", flush=True)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, request_stop)
+    return stop
+
+
+def shut_down(engine, reward_workers, wandb_run):
+    """Reward workers and wandb first: SGLang's shutdown SIGKILLs every child, and wandb's killed service hangs."""
+    try:
+        reward_workers.close()
+        if wandb_run is not None:
+            import wandb
+
+            wandb.teardown()  # finishes the run, and ends its service process
+    finally:
+        engine.shutdown()  # and its scheduler processes
+
+
+def run(main):
+    """main(), and every rank exits alike when it stops a run with a SystemExit (exit_together)."""
+    try:
+        main()
+    except SystemExit as error:
+        exit_together(error)
+
+
+def exit_together(error):
+    """Every rank stops alike and rank 0 says why, once. torchrun stops every rank when one exits with an error, so
+    the others wait (10 s at most) until rank 0 has printed its line."""
+    rank = int(os.environ.get("RANK", 0))
+    code = error.code
+    if isinstance(code, str):
+        if rank == 0:
+            print(code, file=sys.stderr, flush=True)
+        code = 1
+    if code and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=10))
+        if rank == 0:
+            store.set("train.py: rank 0 said why", "")
+        else:
+            with contextlib.suppress(RuntimeError):  # rank 0 failed elsewhere, or had nothing to say
+                store.wait(["train.py: rank 0 said why"])
+    raise SystemExit(code)
