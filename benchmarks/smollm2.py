@@ -36,6 +36,8 @@ def write_smollm2(out_dir):
     model.load_state_dict(quantised.state_dict())
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    for name in os.listdir(out_dir):
+        os.chmod(os.path.join(out_dir, name), 0o644)  # transformers writes the weights 0600; readable like the rest
     return out_dir
 
 

@@ -34,6 +34,8 @@ def test_the_folder_holds_the_gguf_models_weights_and_loads_as_llama(smollm2):
     folder = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
     assert type(folder).__name__ == "LlamaForCausalLM" and folder.config.architectures == ["LlamaForCausalLM"]
     assert getattr(folder, "hf_quantizer", None) is None and "quantization_config" not in folder.config.to_dict()
+    modes = {name: os.stat(os.path.join(smollm2, name)).st_mode & 0o777 for name in os.listdir(smollm2)}
+    assert set(modes.values()) == {0o644}, modes  # transformers writes the weights 0600
     assert (
         folder.config.num_hidden_layers,
         folder.config.hidden_size,
