@@ -13,15 +13,19 @@ load_weights), to resume (find_resume, resume) and to save (save).
 """
 
 import dataclasses
+import glob
 import json
 import os
 import pathlib
 import shutil
+import textwrap
 
+import huggingface_hub
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from huggingface_hub import snapshot_download
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
 from safetensors.torch import load_file, safe_open, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -33,6 +37,56 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2C
 
 # ----------------------------------------------------------------------------------------------------------------
 # The model: its tokenizer, config and first weights
+
+
+def check_sources(cfg):
+    """On rank 0, before anything is read: --model and --data_path. A local folder's jsonl files must hold a JSON
+    object a line (the first that does not is named by file and line). A name that is no local folder is a hub id:
+    said so at once, and the hub asked once with a short timeout, so a mistyped path fails in seconds rather than
+    after the hub's retries (with HF_HUB_OFFLINE=1, the loaders read the hub's cache alone)."""
+    jsonl_files = []
+    if cfg.data_path:
+        jsonl_files = sorted(glob.glob(os.path.join(cfg.data_path, "*.jsonl")))
+    for path in jsonl_files:
+        why = first_bad_json_line(path)
+        if why:
+            raise SystemExit(f"--data_path {cfg.data_path}: {why}: fix or remove that line")
+    for flag, name, kind in (("--model", cfg.model, "model"), ("--data_path", cfg.data_path, "dataset")):
+        if name in ("", "tiny") or os.path.isdir(name) or huggingface_hub.constants.HF_HUB_OFFLINE:
+            continue
+        print(
+            f"{flag} {name}: no local folder of that name, so a {kind} of the Hugging Face hub: asking it", flush=True
+        )
+        try:
+            huggingface_hub.repo_info(name, repo_type=kind, timeout=10)
+        except GatedRepoError:
+            pass  # it is there: loading it needs a token, and says so
+        except RepositoryNotFoundError:
+            raise SystemExit(f"{flag} {name}: no such local folder, nor a {kind} on the hub: check the name") from None
+        except HfHubHTTPError:
+            pass  # the hub answered: the loader reports what went wrong, or retries
+        except HFValidationError:
+            raise SystemExit(f"{flag} {name}: no such local folder, nor a hub id (org/name): check the path") from None
+        except Exception as error:  # no network, or none to the hub
+            raise SystemExit(
+                f"{flag} {name}: no such local folder, and the hub cannot be reached ({type(error).__name__}: "
+                f"{error}): check the path, or the network"
+            ) from None
+
+
+def first_bad_json_line(path):
+    """Where the first line of a jsonl file that is not a JSON object is, and why ("file, line N: why"); "" if none."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as error:  # a cut line, bad UTF-8 (UnicodeDecodeError is a ValueError)
+                return f"{path}, line {number}: {error}"
+            if not isinstance(row, dict):
+                return f"{path}, line {number}: not a JSON object"
+    return ""
 
 
 def tokenizer_and_config(model, lora_rank=0):
@@ -129,8 +183,12 @@ def load_weights(models, files, cfg, model_config, world_group):
 
 
 def open_run_dir(cfg, start_step, wandb_id):
-    """On rank 0: wandb started (wandb.run), config.json written with a new run id, which is returned, and
-    metrics.jsonl cut back to start_step (the steps after it run again)."""
+    """On rank 0: the flags that differ from the defaults printed, wandb started (wandb.run), config.json written
+    with every flag and a new run id, which is returned, and metrics.jsonl cut back to start_step (the steps after
+    it run again)."""
+    defaults = {field.name: field.default for field in dataclasses.fields(cfg)}
+    changed = [f"{key}={value}" for key, value in dataclasses.asdict(cfg).items() if value != defaults[key]]
+    print(textwrap.fill("config: " + " ".join(changed), 120, subsequent_indent="  "), flush=True)
     config = dict(dataclasses.asdict(cfg), run_id=os.urandom(8).hex())  # new: a folder only one node sees lacks it
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -307,6 +365,8 @@ def find_resume(cfg, model_config):
 
 def checked_state(path, cfg, model_config):
     """trainer_state.json of checkpoint `path`, once the checkpoint is whole and fits the flags and --model."""
+    if not os.path.isdir(path):
+        raise SystemExit(f"--resume {path}: no such folder: give a checkpoint's (checkpoints/step_N) or --resume auto")
     why = what_is_damaged(path)
     if why:
         raise SystemExit(f"--resume {path}: not a whole checkpoint ({why}): --resume auto takes the newest whole one")

@@ -6,6 +6,7 @@ push) and pushes the new weights in buckets (update) after every step. This is m
 the interface is Engine's, and start_engine picks the engine for --engine.
 """
 
+import importlib.util
 import os
 import signal
 import socket
@@ -217,6 +218,18 @@ class SGLangEngine(Engine):
 
     def shutdown(self):
         self.engine.shutdown()  # and its scheduler processes
+
+
+def check_engine_flags(cfg):
+    """What --engine sglang needs, checked before any model loads: a CUDA GPU, the package, a TP group on one node."""
+    if cfg.engine != "sglang":
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("--engine sglang needs a CUDA GPU: use --engine hf here")
+    if importlib.util.find_spec("sglang") is None:
+        raise SystemExit("--engine sglang needs SGLang (pip install -r requirements.txt), or use --engine hf")
+    if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) % cfg.tp:
+        raise SystemExit(f"--tp {cfg.tp} must divide the GPUs per node: an engine's TP group lives on one node")
 
 
 def free_gpu_cache(group):

@@ -13,16 +13,18 @@ into them), checkpoint.py (weights in and out of files), sandbox.py (reward_fn a
 processes) and launch.py (the processes under torchrun).
 """
 
+import argparse
 import contextlib
 import datetime
+import difflib
 import functools
-import importlib.util
 import json
 import math
 import os
+import textwrap
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -127,24 +129,29 @@ MINIMUM.update(group_size=2, reward_timeout=0.001)
 
 
 def parse_config(argv=None):
-    """Config from the command line, a --preset's values under the flags given. main() calls it on rank 0 alone:
-    argparse then says once what it cannot read."""
-    parser = HfArgumentParser(Config, allow_abbrev=False)
-    preset = parser.parse_known_args(argv)[0].preset
-    parser.set_defaults(**PRESETS.get(preset, {}))
+    """Config from the command line, a --preset's values under the flags given. A flag that cannot be read is one
+    line (main() calls this on rank 0 alone, so it is said once); a mistyped flag names the nearest one."""
+    parser = HfArgumentParser(Config, allow_abbrev=False, exit_on_error=False)
+    try:
+        flags, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as error:  # a value of the wrong type, a choice outside its list
+        raise SystemExit(f"{error} (python train.py --help lists the flags)") from None
+    if unknown:
+        nearest = difflib.get_close_matches(unknown[0].split("=")[0], [f"--{name}" for name in vars(flags)], n=1)
+        hint = f": did you mean {nearest[0]}?" if nearest else ""
+        raise SystemExit(f"unknown flag {unknown[0]}{hint} (python train.py --help lists the flags)")
+    parser.set_defaults(**PRESETS.get(flags.preset, {}))
     return Config(**vars(parser.parse_args(argv)))
 
 
 def check_config(cfg, world):
-    """Catch bad flags before any model is loaded, one at a time; each message names the flag to change."""
+    """cfg, once its flags pass every check; each check names the flag to change, one bad flag at a time."""
     for flag, least in MINIMUM.items():
         value = getattr(cfg, flag)
         if not least <= value < math.inf:  # NaN fails too
             raise SystemExit(f"--{flag} must be a number from {least} up, not {value}")
     dp = max(world // cfg.tp, 1)
     per_rank = cfg.prompts_per_step // dp
-    sglang = cfg.engine == "sglang"
-    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     is_level_or_mode_set = (cfg.is_mode, cfg.is_level) != ("truncate", "token")
     checks = [
         (world % cfg.tp, f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}"),
@@ -164,25 +171,11 @@ def check_config(cfg, world):
             is_level_or_mode_set and cfg.tis_cap <= 1,
             "--is_mode and --is_level act through --tis_cap: set it above 1, the bound on the ratio",
         ),
-        (sglang and not torch.cuda.is_available(), "--engine sglang needs a CUDA GPU: use --engine hf here"),
-        (
-            sglang and importlib.util.find_spec("sglang") is None,
-            "--engine sglang needs SGLang (pip install -r requirements.txt), or use --engine hf",
-        ),
-        (
-            sglang and gpus_per_node % cfg.tp,
-            f"--tp {cfg.tp} must divide the GPUs per node: an engine's TP group lives on one node",
-        ),
     ]
     for failed, message in checks:
         if failed:
             raise SystemExit(message)
-
-
-def config_from_flags(world):
-    """On rank 0: the flags, parsed and checked."""
-    cfg = parse_config()
-    check_config(cfg, world)
+    engines.check_engine_flags(cfg)
     return cfg
 
 
@@ -766,11 +759,14 @@ def sum_over_world(values, par):
     return dict(zip(values, totals.tolist()))
 
 
-def step_metrics(samples, token_sums, maxima, errors, dropped, par):
+def step_metrics(samples, token_sums, maxima, errors, dropped, cfg, par):
     """The step's metrics over all ranks: sums per sampled token, means per sample, counts, and maxima."""
     lengths = [s.num_sampled for s in samples]  # tool output is not counted
     failures = [reward.tool_failure(output) for s in samples for output in s.tool_outputs]
+    rewards = torch.tensor([s.reward for s in samples]).view(-1, cfg.group_size)
     counts = dict(
+        groups=len(rewards),
+        zero_std_groups=(rewards == rewards[:, :1]).all(1).sum(),  # all rewards equal: no advantage, no gradient
         samples=len(samples),
         tokens=sum(lengths),
         reward_errors=len(errors),
@@ -791,6 +787,7 @@ def step_metrics(samples, token_sums, maxima, errors, dropped, par):
     metrics = {key: totals[key] / max(totals["tokens"], 1) for key in token_sums}
     metrics |= {key: totals[key] / totals["samples"] for key in sample_sums}
     metrics |= {key: totals[key] for key in counts}
+    metrics["frac_reward_zero_std"] = totals["zero_std_groups"] / totals["groups"]  # as TRL names it
     maxima = dict(maxima, response_len_max=max(lengths))
     peaks = torch.tensor(list(maxima.values()), dtype=torch.float64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=par.world_group)
@@ -798,14 +795,24 @@ def step_metrics(samples, token_sums, maxima, errors, dropped, par):
     return metrics
 
 
+# Said once, at the first step whose groups all have equal rewards: such a step learns nothing.
+NO_SIGNAL = (
+    "step {step} learned nothing: in every group the rewards are equal, so no advantage and no gradient. Usual "
+    "causes: responses cut off by --max_new_tokens {max_new_tokens} (cut {truncated:.2f} here), a task too hard for "
+    "the model (reward {reward:.3f}), or a reward_fn that never varies."
+)
+
+
 def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
-    """A console line, a metrics.jsonl line and wandb; every --sample_every steps, a sample too."""
+    """A console line, a metrics.jsonl line and wandb; a sample at the first step and every --sample_every."""
     eta = datetime.timedelta(seconds=round(metrics["eta_s"]))
+    # cut: the share of responses that --max_new_tokens cut off. kl only where --beta gives it a meaning.
+    kl_shown = f" kl {metrics['kl']:.4f}" if cfg.beta > 0 else ""
     line = (
-        "step {step}/{steps} | reward {reward:.3f} acc {accuracy:.2f} | len {response_len:.0f} | ent {entropy:.2f}"
-        " kl {kl:.4f} | {time_step:.1f}s (gen {time_rollout:.1f} train {time_train:.1f} push {time_push:.1f})"
-        " | eta {eta}"
-    ).format(step=step + 1, steps=cfg.steps, eta=eta, **metrics)
+        "step {step}/{steps} | reward {reward:.3f} acc {accuracy:.2f} | len {response_len:.0f} cut {truncated:.2f}"
+        " | ent {entropy:.2f}{kl_shown} lr {lr:.0e} | {time_step:.1f}s (gen {time_rollout:.1f} train {time_train:.1f}"
+        " push {time_push:.1f}) eta {eta}"
+    ).format(step=step + 1, steps=cfg.steps, eta=eta, kl_shown=kl_shown, **metrics)
     if cfg.tool:
         line += f" | tool {metrics['tool_calls']:.1f}/sample"
     for key in ("reward_errors", "skipped_steps"):
@@ -818,7 +825,7 @@ def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
     finite = {k: v if math.isfinite(v) else None for k, v in metrics.items()}  # strict JSON: a NaN norm is null
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": step + 1, **finite}) + "\n")
-    if cfg.sample_every > 0 and (step + 1) % cfg.sample_every == 0:
+    if cfg.sample_every > 0 and (step == 0 or (step + 1) % cfg.sample_every == 0):
         text = tokenizer.decode(sample.prompt_ids) + tokenizer.decode(sample.response_ids)  # wandb keeps the console
         print(f"  sample (reward {sample.reward:.3f}):\n{text}", flush=True)
     if wandb_run is not None:
@@ -857,10 +864,12 @@ def evaluate(engine, tokenizer, test_set, workers, cfg, par):
 
 
 def main():
+    started = time.perf_counter()
     rank, world, device = launch.init_distributed()
     # The flags, read and checked on rank 0 while the others wait: a bad one is said once, before any model loads.
-    cfg = launch.on_first_rank(dist.new_group(backend="gloo"), config_from_flags, world)
+    cfg = launch.on_first_rank(dist.new_group(backend="gloo"), lambda: check_config(parse_config(), world))
     par = launch.parallel_groups(device.type, cfg.tp)
+    launch.on_first_rank(par.world_group, checkpoint.check_sources, cfg)  # --model, --data_path: there to read?
     train_set = PromptDataset(cfg, "train")
     test_set = PromptDataset(cfg, "test") if cfg.eval_every > 0 else None  # no evaluation needs no test split
     tokenizer, model_config = load_tokenizer_and_config(cfg, [*train_set, *(test_set or [])])
@@ -870,8 +879,6 @@ def main():
     resumed_from, start_step, wandb_id = launch.on_first_rank(
         par.world_group, checkpoint.find_resume, cfg, model_config
     )
-    if rank == 0:
-        print(" ".join(f"{k}={v}" for k, v in asdict(cfg).items()), flush=True)
     # The run folder, once every check passed: a run refused leaves it as it was.
     run_id = launch.on_first_rank(par.world_group, checkpoint.open_run_dir, cfg, start_step, wandb_id)
     checkpoint.check_every_rank_sees(cfg.out_dir, run_id, par.world_group)
@@ -909,6 +916,7 @@ def main():
         engine.release_memory()  # the first push, as every other, finds the engine's memory released
         engines.push_weights(full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
         run_start = time.perf_counter()
+        said_no_signal = False
         for step in range(start_step, cfg.steps):
             # Generate and reward G samples per prompt (dynamic sampling: maybe more rounds).
             start = time.perf_counter()
@@ -937,7 +945,7 @@ def main():
             engines.push_weights(full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
             end = time.perf_counter()
             # Log, evaluate, save.
-            metrics = step_metrics(samples, token_sums, maxima, errors, dropped, par)
+            metrics = step_metrics(samples, token_sums, maxima, errors, dropped, cfg, par)
             metrics.update(time_rollout=rollout_done - start, time_train=train_done - rollout_done)
             metrics.update(time_push=end - train_done, time_step=end - start, lr=optimizer.param_groups[0]["lr"])
             metrics["eta_s"] = (end - run_start) / (step + 1 - start_step) * (cfg.steps - step - 1)  # rank 0's
@@ -949,6 +957,10 @@ def main():
                     metrics.update(evaluate(engine, tokenizer, test_set, reward_workers, cfg, par))
             if rank == 0:
                 log_step(step, metrics, cfg, wandb_run, samples[0], tokenizer)
+            if rank == 0 and metrics["frac_reward_zero_std"] == 1 and not said_no_signal:
+                said_no_signal = True  # once: the cause is the same the next time
+                note = NO_SIGNAL.format(step=step + 1, max_new_tokens=cfg.max_new_tokens, **metrics)
+                print(textwrap.fill(note, 120, subsequent_indent="  "), flush=True)
             if stopping or last or (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0):
                 with launch.announce(f"saving the checkpoint of step {step + 1}", rank):
                     weights = full_weights(model, torch.float32)
@@ -956,11 +968,14 @@ def main():
                         cfg, step + 1, model, optimizer, tokenizer, weights, wandb_id, par.world_group
                     )
             if stopping:
-                if rank == 0:
-                    print(f"stopped after step {step + 1}: checkpoint {path}; continue with --resume auto", flush=True)
                 break
     finally:  # no orphaned engine or reward processes, whatever ended the run
         launch.shut_down(engine, reward_workers, wandb_run)
+    if rank == 0:  # the run's last line: where its results are, and how long it took
+        ending = "stopped" if stopping else "done"
+        wall = datetime.timedelta(seconds=round(time.perf_counter() - started))
+        line = f"{ending} after step {step + 1} in {wall}: checkpoint {path}, metrics {cfg.out_dir}/metrics.jsonl"
+        print(line + ("; continue with --resume auto" if stopping else ""), flush=True)
     dist.barrier(group=par.world_group)  # gloo aborts a rank whose peer tears down first
     dist.destroy_process_group()
 

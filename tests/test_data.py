@@ -481,10 +481,18 @@ def test_no_flags_give_config_defaults_with_the_engine_chosen_by_the_machine():
     assert cfg == train.Config() and cfg.engine == ("sglang" if torch.cuda.is_available() else "hf")
 
 
-def test_unknown_flag_exits_naming_it(capsys):
-    with pytest.raises(SystemExit):
-        train.parse_config(["--lr_typo", "3"])
-    assert "unrecognized arguments: --lr_typo 3" in capsys.readouterr().err  # argparse's line, after its usage
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--prompts_per_setp", "4"], "unknown flag --prompts_per_setp: did you mean --prompts_per_step?"),
+        (["--max_new_token=8"], "unknown flag --max_new_token=8: did you mean --max_new_tokens?"),
+        (["--zzzz", "3"], "unknown flag --zzzz (python train.py --help lists the flags)"),
+    ],
+)
+def test_a_mistyped_flag_is_one_line_naming_the_nearest_flag(flags, said, capsys):
+    with pytest.raises(SystemExit, match=re.escape(said)):
+        train.parse_config(flags)
+    assert "usage:" not in capsys.readouterr().err  # not argparse's usage of every flag
 
 
 @pytest.mark.parametrize(
@@ -542,10 +550,11 @@ def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):
     ],
 )
 def test_a_choice_outside_its_list_is_refused_naming_the_flag_and_the_choices(flag, value, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as stop:
         train.parse_config([flag, value])
-    error = capsys.readouterr().err
+    error = str(stop.value.code)
     assert f"argument {flag}" in error and f"invalid choice: '{value}'" in error and "choose from" in error
+    assert "usage:" not in capsys.readouterr().err
 
 
 def test_sglang_engine_on_a_machine_without_cuda_says_that_first(monkeypatch):

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -61,25 +62,41 @@ def test_cpu_preset_learns_the_toy_reward(tmp_path):
         "time_push",
         "reward_errors",
         "groups_dropped",
+        "frac_reward_zero_std",
     ):
         assert all(key in r for r in rows), key
+    # A group whose rewards are all equal has no signal: toy rewards vary until the model says only "a".
+    assert rows[0]["frac_reward_zero_std"] < 0.5 and rows[-1]["frac_reward_zero_std"] == 1.0
     # Held-out evaluation every 10 steps on 16 prompts. The trained model says only "a": every answer is right.
     evals = [r for r in rows if "eval_greedy_acc" in r]
     assert [r["step"] for r in evals] == [10, 20, 30] and all(r["eval_prompts"] == 16 for r in evals)
     assert all(r["eval_mean@4"] <= r["eval_pass@4"] for r in evals)
     assert evals[-1]["eval_greedy_acc"] == evals[-1]["eval_mean@4"] == evals[-1]["eval_pass@4"] == 1.0
     assert evals[0]["eval_mean@4"] < 0.5  # at step 10 sampling still strays: mean@4 is not yet 1
-    # The console: the config at once, before the model loads; loading, evaluation and saving say how long they
-    # took; one step a line with its ETA; a sample every --sample_every (10) steps; no warning on stderr.
+    # The console: the flags that differ from the defaults at once, before the model loads; loading, evaluation and
+    # saving say how long they took; one step a line with the share of responses cut off, the learning rate and its
+    # ETA; a sample at step 1 and every --sample_every (10) steps; a last line saying where the results are and how
+    # long the run took; no warning on stderr.
     out = run.stdout
-    assert out.index("model=tiny task=toy") < out.index("loading tiny and the engine") < out.index("step 1/30")
+    assert out.index("config: model=tiny task=toy train_size=1000") < out.index("loading tiny and the engine")
+    assert out.index("loading tiny and the engine") < out.index("step 1/30")
+    assert "clip_low=" not in out  # a default: config.json holds it
+    assert json.loads((tmp_path / "config.json").read_text())["clip_low"] == 0.2
     assert re.search(r"loading tiny and the engine\.\.\. [0-9.]+s", out)
     assert re.search(r"evaluating on 16 held-out prompts\.\.\. [0-9.]+s", out)
     assert re.search(r"saving the checkpoint of step 30\.\.\. [0-9.]+s", out)
     steps = [line for line in out.splitlines() if line.startswith("step ")]
-    assert len(steps) == 30 and all(len(line) <= 120 and " | eta 0:" in line for line in steps)
+    assert len(steps) == 30 and all(len(line) <= 120 and ") eta 0:" in line for line in steps)
+    assert all(re.search(r" cut [01]\.\d\d \| ent [0-9.]+ lr 1e-02 \|", line) for line in steps)
+    assert " kl " not in steps[0]  # without --beta there is no KL to show
     assert steps[-1].endswith("eta 0:00:00")
-    assert out.count("  sample (reward ") == 3 and out.count("\nSay a:") == 3  # the prompt, then its completion
+    assert out.count("  sample (reward ") == 4 and out.count("\nSay a:") == 4  # steps 1, 10, 20, 30
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"done after step 30 in 0:00:\d\d: checkpoint {tmp_path}/checkpoints/step_000030, metrics "
+        rf"{tmp_path}/metrics.jsonl",
+        last,
+    ), last
     assert "Warning" not in run.stderr and "top_k" not in run.stderr and "view tensor" not in run.stderr
     # A step's time and its parts are one rank's: the parts add up to the total.
     assert all(abs(r["time_rollout"] + r["time_train"] + r["time_push"] - r["time_step"]) < 1e-6 for r in rows)
@@ -117,7 +134,8 @@ def test_tensor_parallel_run_with_reference_model_logged_to_offline_wandb(tmp_pa
     [wandb_run] = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
     assert any(f.endswith(".wandb") for f in os.listdir(tmp_path / "wandb" / wandb_run))
     console = (tmp_path / "wandb" / wandb_run / "files" / "output.log").read_text()  # what wandb kept of rank 0's
-    assert console.count("  sample (reward") == 2  # the samples of steps 2 and 4
+    assert console.count("  sample (reward") == 3  # the samples of steps 1, 2 and 4
+    assert all(" kl 0.0" in line for line in console.splitlines() if line.startswith("step "))  # with --beta
     assert "redistribut" not in run.stderr and "Warning" not in run.stderr  # TP's notices are silenced
 
 
@@ -126,13 +144,13 @@ def test_bad_flag_exits_before_loading_a_model_saying_so_once(tmp_path):
     assert run.returncode != 0 and (run.stderr + run.stdout).count("--prompts_per_step 3 must divide by dp = 2") == 1
 
 
-def one_process(*flags):
+def one_process(*flags, **env_vars):
     """`python train.py` as one process, as a first try of a new setting would run it."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     return subprocess.run(
         [sys.executable, "train.py", *flags],
         cwd=ROOT,
-        env=dict(env, OMP_NUM_THREADS="1"),
+        env=dict(env, OMP_NUM_THREADS="1", **env_vars),
         capture_output=True,
         text=True,
         timeout=300,
@@ -391,17 +409,18 @@ def test_an_unknown_task_stops_at_once_naming_the_flag_and_the_tasks_with_data(t
     assert out.count("--task mnist: PromptDataset.__getitem__ in reward.py has no branch for it") == 1
 
 
-def test_a_flag_argparse_cannot_read_is_said_once_under_torchrun(tmp_path):
+def test_a_flag_argparse_cannot_read_is_said_once_under_torchrun_in_one_line(tmp_path):
     run = torchrun(2, "--preset", "cpu", "--steps", "ten", "--out_dir", str(tmp_path))
     out = run.stdout + run.stderr
-    assert run.returncode != 0 and out.count("argument --steps: invalid int value: 'ten'") == 1, out[-3000:]
-    assert out.count("usage: train.py") == 1
+    said = "argument --steps: invalid int value: 'ten' (python train.py --help lists the flags)"
+    assert run.returncode != 0 and out.count(said) == 1, out[-3000:]
+    assert "usage: train.py" not in out  # not argparse's 36-line usage of every flag
 
 
 @pytest.mark.parametrize(
     "flags, said",
     [
-        (("--prompts_per_setp", "4"), "unrecognized arguments: --prompts_per_setp 4"),
+        (("--prompts_per_setp", "4"), "unknown flag --prompts_per_setp: did you mean --prompts_per_step?"),
         (("--prompts_per_step", "3"), "--prompts_per_step 3 must divide by dp = 2"),
         (("--task", "mnist"), "--task mnist: reward.py has no data for it"),
     ],
@@ -452,3 +471,94 @@ def test_wandb_without_an_api_key_stops_in_one_line_before_the_model_loads(tmp_p
         == 1
     ), out[-3000:]
     assert not os.path.exists(tmp_path / "out" / "config.json")
+
+
+def test_the_readme_quick_start_runs_verbatim_in_a_fresh_copy(tmp_path):
+    """Its two demo commands, as written, one after the other in a copy of the project: both train to the end."""
+    text = readme_section("Quick start")
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    commands = [line for line in block.splitlines() if line.startswith(("torchrun ", "python3 train.py"))]
+    assert len(commands) == 2, block
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, name), tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for command in commands:
+        run = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, (command, run.stderr[-3000:])
+        assert run.stdout.strip().splitlines()[-1].startswith("done after step 30 in "), run.stdout[-2000:]
+    assert sorted(os.listdir(tmp_path / "runs")) == ["cpu", "cpu-1proc"]
+
+
+def test_a_run_that_learns_nothing_says_so_once_with_the_usual_causes(tmp_path):
+    """GSM8K-format rows whose answers (seven digits) no 4-token response can give: every reward is 0, every group
+    without signal. The console shows the share of responses cut off and the learning rate (still in warm-up),
+    prints a sample at step 1 though --sample_every is 10, and says once why nothing is learned."""
+    rows = [{"question": f"{i} + 1?", "answer": f"#### {1_000_000 + i}"} for i in range(16)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = ("--preset", "cpu", "--task", "gsm8k", "--data_path", str(tmp_path / "data"), "--max_new_tokens", "4")
+    flags += ("--prompts_per_step", "4", "--steps", "3", "--eval_every", "0", "--sample_every", "10")
+    run = one_process(*flags, "--lr", "1e-6", "--warmup_steps", "10", "--out_dir", str(tmp_path / "out"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(tmp_path / "out")
+    assert all(r["frac_reward_zero_std"] == 1.0 and r["reward"] == 0 for r in rows)
+    out = run.stdout
+    steps = [line for line in out.splitlines() if re.match(r"step \d+/3 ", line)]
+    assert [re.search(r" lr (\S+) ", line).group(1) for line in steps] == ["1e-07", "2e-07", "3e-07"], steps
+    assert all(re.search(r" cut (0\.[6-9]\d|1\.00) ", line) for line in steps), steps  # 4 tokens: most cut
+    assert out.count("  sample (reward ") == 1  # step 1's
+    assert out.count("learned nothing") == 1, out
+    note = " ".join(out[out.index("step 1 learned nothing") :].split())
+    assert "in every group the rewards are equal, so no advantage and no gradient" in note
+    assert "cut off by --max_new_tokens 4 (cut " in note and "(reward 0.000)" in note and "reward_fn" in note
+
+
+@pytest.mark.parametrize("flag, value", [("--model", "tmp/smol"), ("--data_path", "data/revers")])
+def test_a_path_that_is_no_local_folder_fails_in_seconds_saying_the_hub_was_asked(flag, value, tmp_path):
+    """A mistyped local path reads as a hub id. Without a network (these machines reach no hub), the hub's retries
+    took 57 s (--model) and 34 s (--data_path) before failing; the first line now says what is happening, and the
+    run stops within seconds, naming the flag. With HF_HUB_OFFLINE=1 the loaders read the cache alone, also fast."""
+    task = "toy" if flag == "--model" else "gsm8k"
+    flags = ("--preset", "cpu", "--task", task, flag, value, "--out_dir", str(tmp_path / "out"))
+    start = time.monotonic()
+    run = one_process(*flags)
+    seconds = time.monotonic() - start
+    assert run.returncode != 0 and seconds < 30, (seconds, run.stdout[-2000:], run.stderr[-2000:])
+    kind = "model" if flag == "--model" else "dataset"
+    assert run.stdout.startswith(f"{flag} {value}: no local folder of that name, so a {kind} of the Hugging Face hub")
+    [line] = run.stderr.strip().splitlines()
+    assert line.startswith(f"{flag} {value}: no such local folder, ") and "Traceback" not in run.stderr
+    start = time.monotonic()
+    offline = one_process(*flags[:-2], "--out_dir", str(tmp_path / "offline"), HF_HUB_OFFLINE="1")
+    assert offline.returncode != 0 and time.monotonic() - start < 30 and "Traceback" not in offline.stderr
+    assert offline.stderr.strip().splitlines()[-1].startswith(f"{flag} {value}")
+
+
+def test_a_broken_jsonl_line_is_named_once_by_its_file_and_line(tmp_path):
+    """A line cut inside a two-byte character, as a copy that stopped mid-file leaves it: pyarrow said "Invalid
+    encoding in string. in row 5" (zero-based) once per rank."""
+    lines = [json.dumps({"question": f"{i} + 1 é?", "answer": f"#### {i + 1}"}, ensure_ascii=False) for i in range(8)]
+    data = [line.encode() for line in lines]
+    data[5] = data[5][: data[5].index("é".encode()) + 1]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_bytes(b"\n".join(data) + b"\n")
+    run = torchrun(
+        2,
+        "--preset",
+        "cpu",
+        "--task",
+        "gsm8k",
+        "--data_path",
+        str(tmp_path / "data"),
+        "--out_dir",
+        str(tmp_path / "out"),
+        "--prompts_per_step",
+        "2",
+        "--eval_every",
+        "0",
+    )
+    out = run.stdout + run.stderr
+    said = f"--data_path {tmp_path}/data: {tmp_path}/data/train.jsonl, line 6: "
+    assert run.returncode != 0 and out.count(said) == 1, out[-3000:]
+    assert "fix or remove that line" in out and "JSON parse error" not in out and "loading" not in out
