@@ -54,6 +54,10 @@ def check_sources(cfg):
     for flag, name, kind in (("--model", cfg.model, "model"), ("--data_path", cfg.data_path, "dataset")):
         if name in ("", "tiny") or os.path.isdir(name) or huggingface_hub.constants.HF_HUB_OFFLINE:
             continue
+        try:
+            huggingface_hub.utils.validate_repo_id(name)  # a path like /a/b or ./a names no hub repository
+        except HFValidationError:
+            raise SystemExit(f"{flag} {name}: no such local folder (nor a hub id, org/name): check the path") from None
         print(
             f"{flag} {name}: no local folder of that name, so a {kind} of the Hugging Face hub: asking it", flush=True
         )
@@ -65,8 +69,6 @@ def check_sources(cfg):
             raise SystemExit(f"{flag} {name}: no such local folder, nor a {kind} on the hub: check the name") from None
         except HfHubHTTPError:
             pass  # the hub answered: the loader reports what went wrong, or retries
-        except HFValidationError:
-            raise SystemExit(f"{flag} {name}: no such local folder, nor a hub id (org/name): check the path") from None
         except Exception as error:  # no network, or none to the hub
             raise SystemExit(
                 f"{flag} {name}: no such local folder, and the hub cannot be reached ({type(error).__name__}: "

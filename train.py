@@ -799,7 +799,7 @@ def step_metrics(samples, token_sums, maxima, errors, dropped, cfg, par):
 NO_SIGNAL = (
     "step {step} learned nothing: in every group the rewards are equal, so no advantage and no gradient. Usual "
     "causes: responses cut off by --max_new_tokens {max_new_tokens} (cut {truncated:.2f} here), a task too hard for "
-    "the model (reward {reward:.3f}), or a reward_fn that never varies."
+    "the model or already learned (reward {reward:.3f}), or a reward_fn that never varies."
 )
 
 

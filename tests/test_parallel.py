@@ -229,7 +229,7 @@ def tool_output_gradients(rank, world, folder, tp):
     token_sums, maxima = train.train_on_rollouts(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample], cfg, par)
     start = len(sample.prompt_ids) - 1  # the position that predicts the first response token
     grads = hidden["out"].grad[0, start : start + len(sample.response_ids)].abs().amax(-1)
-    metrics = train.step_metrics([sample], token_sums, maxima, [], 0, par)
+    metrics = train.step_metrics([sample], token_sums, maxima, [], 0, train.Config(group_size=1), par)
     return grads.tolist(), sample.sampled, (metrics["tokens"], metrics["response_len"], metrics["response_len_max"])
 
 
@@ -373,7 +373,7 @@ def with_a_new_statistic(rank, world, folder, tp):
     samples = make_samples(6 // (world // tp), seed=rank // tp)  # each dp rank its own; a TP group the same
     cfg = train.Config(micro_batch_size=2, num_minibatches=2)
     token_sums, maxima = train.train_on_rollouts(model, torch.optim.SGD(model.parameters(), lr=0.0), samples, cfg, par)
-    metrics = train.step_metrics(samples, token_sums, maxima, [], 0, par)
+    metrics = train.step_metrics(samples, token_sums, maxima, [], 0, train.Config(group_size=3), par)
     lengths = [sum(s.sampled) for s in samples]
     return metrics["weight_x1000"], metrics["tokens"], [s.loss_weight for s in samples], lengths
 

@@ -160,7 +160,10 @@ def test_samples_still_generating_go_as_one_batch_per_round_and_the_others_drop_
     # The step's metrics of these samples: per sample, 2 calls of 3 samples, 2 of 3 used the tool, 5 turns (A and C
     # a turn before their block's output and one after, B one); counts, 1 error and no timeout.
     logged = run_ranks(
-        lambda rank, world: train.step_metrics(samples, {}, {}, [], 0, launch.parallel_groups("cpu", 1)), 1
+        lambda rank, world: train.step_metrics(
+            samples, {}, {}, [], 0, train.Config(group_size=3), launch.parallel_groups("cpu", 1)
+        ),
+        1,
     )[0]
     assert [logged[k] for k in ("tool_calls", "tool_use", "turns")] == pytest.approx([2 / 3, 2 / 3, 5 / 3])
     assert (logged["tool_errors"], logged["tool_timeouts"], logged["samples"]) == (1, 0, 3)
