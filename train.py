@@ -14,7 +14,6 @@ processes) and launch.py (the processes under torchrun).
 """
 
 import argparse
-import contextlib
 import datetime
 import difflib
 import functools
@@ -29,15 +28,15 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from transformers import AutoModelForCausalLM, HfArgumentParser
 
 import checkpoint
 import engines
 import launch
+import lora
 import reward
 import sandbox
 from reward import PromptDataset
@@ -67,9 +66,12 @@ class Config:
     clip_low: float = 0.2  # ratio clipped below at 1 - clip_low (docs/losses.md: GRPO, Dr. GRPO, DAPO)
     clip_high: float = 0.28  # and above at 1 + clip_high (clip-higher, DAPO)
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's one ratio per response (docs/losses.md)
-    objective: Literal["clip", "cispo"] = "clip"  # cispo: a clipped, detached ratio weights every token's log p
+    objective: Literal["clip", "cispo", "dppo_tv", "dppo_kl"] = "clip"  # docs/losses.md: CISPO, DPPO
+    dppo_tv_delta: float = 0.15  # dppo_tv: a token's probability may move this far from the old policy's
+    dppo_kl_delta: float = 0.05  # dppo_kl: its binary KL (sampled token vs the rest) to the old policy this far
     loss_agg: Literal["token", "sequence", "constant"] = "token"  # DAPO's token mean | GRPO's | Dr. GRPO's constant
-    scale_std: bool = True  # divide advantages by the group's std (False: Dr. GRPO)
+    scale_std: bool = True  # divide advantages by a std of the rewards (False: Dr. GRPO)
+    std_of: Literal["group", "batch"] = "group"  # that std: each group's (GRPO), or the whole batch's (Lite PPO)
     beta: float = 0.0  # weight of the KL to the initial policy; 0 builds no reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # Schulman's estimators of KL(policy || reference) per token
     kl_in_reward: bool = False  # subtract beta x the sequence's summed KL from its reward instead of adding a loss
@@ -122,7 +124,8 @@ AT_LEAST_ONE = (
 )
 AT_LEAST_ZERO = (
     "beta entropy_coef tis_cap overlong_buffer dynamic_sampling_rounds max_tokens_per_microbatch eval_every "
-    "save_every lr sample_every temperature eval_temperature clip_low clip_high weight_decay max_grad_norm lora_rank"
+    "save_every lr sample_every temperature eval_temperature clip_low clip_high weight_decay max_grad_norm lora_rank "
+    "dppo_tv_delta dppo_kl_delta"
 )
 MINIMUM = {**dict.fromkeys(AT_LEAST_ONE.split(), 1), **dict.fromkeys(AT_LEAST_ZERO.split(), 0)}
 MINIMUM.update(group_size=2, reward_timeout=0.001)
@@ -167,6 +170,10 @@ def check_config(cfg, world):
         (not 0 < cfg.mem_fraction < 1, f"--mem_fraction is a share: above 0, below 1, not {cfg.mem_fraction}"),
         (os.path.realpath(cfg.out_dir) == os.path.realpath(cfg.model), "--out_dir must differ from --model"),
         (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
+        (
+            cfg.objective.startswith("dppo") and cfg.ratio_level == "sequence",
+            f"--objective {cfg.objective} masks tokens by their own ratio: use --ratio_level token",
+        ),
         (
             is_level_or_mode_set and cfg.tis_cap <= 1,
             "--is_mode and --is_level act through --tis_cap: set it above 1, the bound on the ratio",
@@ -272,7 +279,7 @@ def build_model(model_config, mesh, device, activation_checkpointing=False, lora
             if hasattr(layer.self_attn, "q_norm"):
                 plan.update(QK_NORM_PLAN)
             parallelize_module(layer, mesh["tp"], plan)
-    add_lora(model, lora_rank, lora_alpha, mesh["tp"])
+    lora.add_lora(model, lora_rank, lora_alpha, mesh["tp"], TP_PLAN)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # GPU: bf16 compute, fp32 master weights; gradients reduced in fp32.
@@ -284,74 +291,6 @@ def build_model(model_config, mesh, device, activation_checkpointing=False, lora
     with torch.device(device):  # rotary frequencies are a non-persistent buffer: rebuild it off the meta device
         model.model.rotary_emb = type(model.model.rotary_emb)(model_config)
     return model
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# LoRA: low-rank adapters on the blocks' linear layers, the rest frozen (--lora_rank > 0)
-
-
-def add_lora(model, rank, alpha, tp_mesh):
-    """Adapters A [R, in] and B [out, R] (PEFT's names) on each linear layer of TP_PLAN, everything else frozen. A
-    forward hook adds x A^T B^T x model.lora_scale before TP's hook sees the output: B is split like a column-parallel
-    output and A like a row-parallel input, so LoRA adds no collective. Rank 0: nothing to add, all trained."""
-    model.lora_scale = alpha / rank if rank else 0.0
-    model.requires_grad_(rank == 0)
-    if rank == 0:
-        return
-    for layer in model.model.layers:
-        for name, style in TP_PLAN.items():
-            linear = layer.get_submodule(name)
-            linear.lora_A = torch.nn.Linear(linear.in_features, rank, bias=False, device="meta")
-            linear.lora_B = torch.nn.Linear(rank, linear.out_features, bias=False, device="meta")
-            if tp_mesh.size() > 1:
-                row_parallel = isinstance(style, RowwiseParallel)
-                a_split = Shard(1) if row_parallel else Replicate()
-                b_split = Replicate() if row_parallel else Shard(0)
-                linear.lora_A.weight = torch.nn.Parameter(distribute_tensor(linear.lora_A.weight, tp_mesh, [a_split]))
-                linear.lora_B.weight = torch.nn.Parameter(distribute_tensor(linear.lora_B.weight, tp_mesh, [b_split]))
-            linear.register_forward_hook(functools.partial(add_adapter_output, model), prepend=True)
-
-
-def add_adapter_output(model, linear, args, out):
-    """LoRA's forward hook on `linear`: its output plus x A^T B^T x model.lora_scale."""
-    return out + linear.lora_B(linear.lora_A(args[0]) * model.lora_scale)
-
-
-def init_adapters(model, seed):
-    """PEFT's start, drawn on rank 0 and sent to every shard: A uniform within 1 / sqrt(in), B zero, so that step
-    0's policy is the base model."""
-    generator = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, param in model.named_parameters():
-        if dist.get_rank() == 0 and ".lora_A" in name:
-            state[name] = (torch.rand(param.shape, generator=generator) * 2 - 1) / param.shape[1] ** 0.5
-        elif dist.get_rank() == 0 and ".lora_B" in name:
-            state[name] = torch.zeros(param.shape)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    set_model_state_dict(model, state, options=options)
-
-
-@contextlib.contextmanager
-def adapters_off(model):
-    """The base model alone inside the block (LoRA's reference for --beta): the adapters scaled by 0."""
-    scale = model.lora_scale
-    model.lora_scale = 0.0
-    try:
-        yield
-    finally:
-        model.lora_scale = scale
-
-
-def merge_adapter(model, name, weight):
-    """The full `weight` named `name`, plus alpha / R x B A where its layer has adapters (the engine gets merged
-    weights: adapters would cost time on every generated token)."""
-    layer_name = name.removesuffix(".weight")
-    if layer_name == name or not hasattr(model.get_submodule(layer_name), "lora_A"):
-        return weight
-    linear = model.get_submodule(layer_name)
-    b = linear.lora_B.weight.detach().float().full_tensor()
-    a = linear.lora_A.weight.detach().float().full_tensor()
-    return weight + (model.lora_scale * b @ a).to(weight.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -367,7 +306,7 @@ def full_weights(model, dtype):
         weight = param.detach().to(dtype)
         if isinstance(weight, DTensor):
             weight = weight.full_tensor()
-        yield name, merge_adapter(model, name, weight)
+        yield name, lora.merge_adapter(model, name, weight)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -471,19 +410,30 @@ def collect_rollouts(engine, workers, dataset, tokenizer, cfg, step, par):
 # Advantages
 
 
-def group_advantages(rewards, group_size, scale_std=True, eps=1e-6):
-    """(r - group mean) / (group std + eps), std unbiased as in GRPO; without the division for Dr. GRPO."""
+def group_advantages(rewards, group_size, scale_std=True, eps=1e-6, std=None):
+    """(r - group mean) / (group std + eps), std unbiased as in GRPO, or a given std (the batch's); without the
+    division for Dr. GRPO."""
     r = rewards.view(-1, group_size).double()
     centred = r - r.mean(1, keepdim=True)
+    if scale_std and std is None:
+        std = r.std(1, keepdim=True)
     if scale_std:
-        centred = centred / (r.std(1, keepdim=True) + eps)
+        centred = centred / (std + eps)
     all_equal = (r == r[:, :1]).all(1, keepdim=True)
     return centred.masked_fill(all_equal, 0.0).view(-1)  # equal rewards: no signal, 0
 
 
-def set_advantages(samples, cfg):
-    """Group advantages; --kl_in_reward subtracts beta x summed KL, centred, not std-scaled (that would cancel beta)."""
-    advantages = group_advantages(torch.tensor([s.reward for s in samples]), cfg.group_size, cfg.scale_std)
+def set_advantages(samples, cfg, dp_group=None):
+    """Group advantages; --std_of batch divides by the unbiased std of every rank's rewards, gathered over dp (as
+    TRL's scale_rewards="batch"). --kl_in_reward subtracts beta x summed KL, centred, not std-scaled (that would
+    cancel beta)."""
+    rewards = torch.tensor([s.reward for s in samples])
+    std = None
+    if cfg.std_of == "batch":
+        every_rank = [torch.zeros_like(rewards) for _ in range(dist.get_world_size(dp_group))]
+        dist.all_gather(every_rank, rewards, group=dp_group)  # a TP group's ranks hold the same samples: one of them
+        std = torch.cat(every_rank).double().std()
+    advantages = group_advantages(rewards, cfg.group_size, cfg.scale_std, std=std)
     if cfg.kl_in_reward:
         kl_of = KL_ESTIMATORS[cfg.kl_estimator]
         kl = torch.stack([kl_of(s.old_logprobs - s.ref_logprobs).sum() for s in samples])
@@ -585,7 +535,7 @@ def policy_logprobs(model, samples, cfg, par):
 def reference_logprobs(model, ref_model, samples, cfg, par):
     """--beta's reference: the initial policy, kept apart; under LoRA the base model, the policy's adapters off."""
     if ref_model is None:
-        with adapters_off(model):
+        with lora.adapters_off(model):
             return policy_logprobs(model, samples, cfg, par)
     logprobs = policy_logprobs(ref_model, samples, cfg, par)
     ref_model.reshard()  # FSDP keeps root parameters whole after a forward that has no backward
@@ -608,6 +558,11 @@ def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy
         # MiniMax-M1: the ratio, clipped and detached, weights log p; no token is dropped.
         per_token = -ratio.detach().clamp(max=1 + cfg.clip_high) * advantages * logp
         clip_mask = ratio.detach() > 1 + cfg.clip_high
+    elif cfg.objective.startswith("dppo"):
+        # DPPO: a token that moved too far from the old policy, the way its advantage pushes, gets no gradient (the
+        # mask); the rest the policy gradient weighted by the detached ratio, as verl's dppo_tv / dppo_kl.
+        clip_mask = dppo_mask(logp.detach(), old_logp, advantages, cfg)
+        per_token = (-ratio.detach() * advantages * logp).masked_fill(clip_mask, 0.0)
     else:
         unclipped = ratio * advantages
         clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * advantages
@@ -630,6 +585,22 @@ def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy
         metrics["entropy"] = entropy.detach().sum()
         per_token = per_token - cfg.entropy_coef * entropy
     return (per_token * weights).sum(), metrics
+
+
+def dppo_mask(logp, old_logp, advantages, cfg):
+    """DPPO's trust region (Qi et al. 2026): the tokens whose divergence from the old policy passes the bound and whose
+    probability moved up under a positive advantage, or down under a negative one. The divergence is between the
+    two-way distributions (the sampled token, the rest): |p - p_old| (dppo_tv) or KL(old || new) (dppo_kl)."""
+    p = logp.exp()
+    p_old = old_logp.exp()
+    if cfg.objective == "dppo_tv":
+        up = p - p_old > cfg.dppo_tv_delta
+        down = p_old - p > cfg.dppo_tv_delta
+    else:  # the 1e-8 as verl's, for a probability of 1
+        binary_kl = p_old * (old_logp - logp) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+        up = (binary_kl > cfg.dppo_kl_delta) & (p > p_old)
+        down = (binary_kl > cfg.dppo_kl_delta) & (p < p_old)
+    return torch.where(advantages > 0, up, down)
 
 
 def engine_mismatch(trainer_logp, engine_logp, cfg, lengths):
@@ -899,7 +870,7 @@ def main():
         models = [model, ref_model] if ref_model else [model]
         checkpoint.load_weights(models, files, cfg, model_config, par.world_group)
         if cfg.lora_rank:
-            init_adapters(model, cfg.seed)
+            lora.init_adapters(model, cfg.seed)
         engines.check_pushed_names(model, model_config)
         # Before any forward: FSDP2 then leaves root parameters unsharded, and an optimizer would hold stale tensors.
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # frozen: no state
@@ -935,7 +906,7 @@ def main():
                 for sample, logprobs in zip(samples, reference_logprobs(model, ref_model, samples, cfg, par)):
                     sample.ref_logprobs = logprobs
             # Advantages within each group of G.
-            set_advantages(samples, cfg)
+            set_advantages(samples, cfg, par.dp_group)
             # Loss and update, the learning rate a function of the step (the flags', not a checkpoint's).
             for group in optimizer.param_groups:
                 group.update(lr=cfg.lr * lr_factor(step, cfg), weight_decay=cfg.weight_decay)

@@ -532,6 +532,9 @@ def test_a_mistyped_flag_is_one_line_naming_the_nearest_flag(flags, said, capsys
         (dict(mem_fraction=1.0), 1, "--mem_fraction is a share"),
         (dict(mem_fraction=0.0), 1, "--mem_fraction"),
         (dict(mem_fraction=math.nan), 1, "--mem_fraction"),
+        (dict(objective="dppo_tv", dppo_tv_delta=-0.1), 1, "--dppo_tv_delta must be a number from 0 up"),
+        (dict(objective="dppo_kl", dppo_kl_delta=math.nan), 1, "--dppo_kl_delta"),
+        (dict(objective="dppo_kl", ratio_level="sequence"), 1, "--objective dppo_kl masks tokens .* --ratio_level"),
     ],
 )
 def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):
@@ -576,6 +579,7 @@ def test_check_config_accepts_valid_configs():
     train.check_config(train.Config(), world=1)
     train.check_config(train.Config(tp=2), world=8)  # dp 4: 8 prompts, 64 samples a rank
     train.check_config(train.Config(prompts_per_step=8, group_size=3, num_minibatches=4), world=2)
+    train.check_config(train.Config(objective="dppo_kl", std_of="batch", scale_std=True), world=2)
 
 
 def test_prompts_that_leave_no_room_for_max_new_tokens_stop_the_run_naming_the_flag_and_the_bound():

@@ -39,6 +39,38 @@ def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(value, group_size,
     assert adv[-1] > 0 > adv[group_size]
 
 
+def batch_std_advantages(rank, world, tp, rewards, group_size):
+    """set_advantages with --std_of batch on this rank's share of the groups (a TP group's ranks: the same share)."""
+    par = launch.parallel_groups("cpu", tp)
+    dp_rank, dp = par.mesh["dp"].get_local_rank(), par.mesh["dp"].size()
+    share = len(rewards) // dp
+    samples = [train.Sample([1], reward=r) for r in rewards[dp_rank * share : (dp_rank + 1) * share]]
+    train.set_advantages(samples, train.Config(group_size=group_size, std_of="batch"), par.dp_group)
+    return [s.advantage for s in samples]
+
+
+@pytest.mark.parametrize("world, tp", [(2, 1), (2, 2), (4, 2)])
+def test_batch_std_advantages_on_several_ranks_are_those_of_one_rank_holding_the_whole_batch(world, tp):
+    """--std_of batch: the group's mean subtracted, the unbiased std of every reward of the step (all ranks) dividing,
+    as TRL's scale_rewards="batch" (its eps is 1e-4, this trainer's 1e-6) and Lite PPO (group mean, batch std). A
+    group whose rewards are all equal still gets 0."""
+    group_size = 4
+    rewards = [1.0, 0.0, 0.5, 0.25, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 3.0, 1.0, 0.1, 0.7, 0.4, 0.4]
+    whole = run_ranks(batch_std_advantages, 1, 1, rewards, group_size)[0]
+    shared = run_ranks(batch_std_advantages, world, tp, rewards, group_size)
+    dp = world // tp
+    assert [a for rank in range(0, world, tp) for a in shared[rank]] == pytest.approx(whole, abs=1e-12)
+    assert all(shared[rank] == shared[rank - rank % tp] for rank in range(world))  # TP ranks: the same
+    std = statistics.stdev(rewards)  # unbiased, over the whole batch
+    expected = []
+    for g in range(0, len(rewards), group_size):
+        group = rewards[g : g + group_size]
+        mean = sum(group) / group_size
+        expected += [0.0 if len(set(group)) == 1 else (r - mean) / (std + 1e-6) for r in group]
+    # Rewards travel as float32, as the trainer keeps them: the float64 reference agrees to float32's rounding.
+    assert whole == pytest.approx(expected, rel=1e-6, abs=1e-7) and dp * len(shared[0]) == len(rewards)
+
+
 def reference_loss(logp, old, adv, weights, lo, hi, beta, ref, coef, ent, estimator="k3"):
     """Per token, in float64: -min(r A, clip(r, 1-lo, 1+hi) A) + beta KL - coef H, weighted sum."""
     total = 0.0
@@ -554,6 +586,34 @@ def test_cispo_weights_every_tokens_log_prob_by_its_clipped_detached_ratio():
         assert logp.grad[t].item() == pytest.approx(weights[t].item() * -w * adv[t].item(), rel=1e-9)
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     assert metrics["clip_frac"].item() == sum(math.exp(x - o) > 1.1 for x, o in zip(logp.tolist(), old.tolist())) > 0
+
+
+@pytest.mark.parametrize("objective, delta", [("dppo_tv", 0.15), ("dppo_kl", 0.05)])
+def test_dppo_masks_the_tokens_that_moved_past_its_bound_the_way_their_advantage_pushes(objective, delta):
+    """DPPO (Qi et al. 2026, eq. 12-14): M_t = 0 where (A > 0, r > 1, D > delta) or (A < 0, r < 1, D > delta), with D
+    the total variation |p - p_old| or KL(old || new) between the two-way distributions (the sampled token, the
+    rest); the loss -M A sg(r) log p, so a masked token gets no gradient and a kept one -A r. The paper's defaults
+    as the flags' (0.15 and 0.05). Reference: float64 arithmetic in Python, from the paper's formulas."""
+    logp, old, adv, weights, lengths = ragged_tokens(lengths=(9, 14, 5, 12), seed=21)
+    logp = logp.detach().clamp(max=-0.01).requires_grad_()  # probabilities, below 1
+    cfg = train.Config(objective=objective)
+    assert (cfg.dppo_tv_delta, cfg.dppo_kl_delta)[objective == "dppo_kl"] == delta
+    loss, metrics = train.policy_loss(logp, old, adv, weights, cfg, lengths=torch.tensor(lengths))
+    loss.backward()
+    expected, masked = 0.0, 0
+    for t in range(len(logp)):
+        p, p_old, a, w = math.exp(logp[t].item()), math.exp(old[t].item()), adv[t].item(), weights[t].item()
+        if objective == "dppo_tv":
+            divergence = abs(p - p_old)
+        else:
+            divergence = p_old * math.log(p_old / p) + (1 - p_old) * math.log((1 - p_old) / (1 - p))
+        r = p / p_old
+        keep = not ((a > 0 and r > 1 and divergence > delta) or (a < 0 and r < 1 and divergence > delta))
+        masked += not keep
+        expected += w * -keep * a * r * logp[t].item()
+        assert logp.grad[t].item() == pytest.approx(w * -keep * a * r, rel=1e-9, abs=1e-15)
+    assert loss.item() == pytest.approx(expected, rel=1e-9)
+    assert metrics["clip_frac"].item() == masked and 0 < masked < len(logp) // 2
 
 
 @pytest.mark.parametrize("level, cap", [("token", 1.5), ("sequence", 1.1)])  # a response's mean strays less

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import checkpoint
 import engines
 import launch
+import lora
 import train
 from demo_model import demo_config, demo_tokenizer
 from test_checkpoint import hf_weights, logged, save_two_checkpoints_recording_syncs
@@ -52,7 +53,7 @@ def lora_model(folder, par, b_seed=None):
     model = train.build_model(config, par.mesh, torch.device("cpu"), lora_rank=RANK, lora_alpha=ALPHA)
     cfg = train.Config(model=folder)
     checkpoint.load_weights([model], checkpoint.weight_files(cfg.model), cfg, config, par.world_group)
-    train.init_adapters(model, cfg.seed)  # as train.main
+    lora.init_adapters(model, cfg.seed)  # as train.main
     loaded = adapters_of(model)
     if b_seed is not None:
         g = torch.Generator().manual_seed(b_seed)

@@ -289,11 +289,14 @@ def test_dapo_and_dr_grpo_settings_run_end_to_end(tmp_path):
         ("--ratio_level", "sequence", "--loss_agg", "sequence", "--clip_low", "3e-4", "--clip_high", "4e-4"),  # GSPO
         ("--objective", "cispo"),
         ("--tis_cap", "2", "--is_mode", "mask", "--is_level", "sequence"),
+        ("--objective", "dppo_tv"),
+        ("--objective", "dppo_kl", "--std_of", "batch"),
     ],
-    ids=["gspo", "cispo", "masked_is"],
+    ids=["gspo", "cispo", "masked_is", "dppo_tv", "dppo_kl_batch_std"],
 )
-def test_gspo_cispo_and_masked_importance_sampling_learn_the_toy_reward(flags, tmp_path):
-    """Two mini-batches a step, so the ratio leaves 1 in the second and GSPO's tiny clip range binds."""
+def test_gspo_cispo_dppo_and_masked_importance_sampling_learn_the_toy_reward(flags, tmp_path):
+    """Two mini-batches a step, so the ratio leaves 1 in the second and GSPO's tiny clip range (DPPO's divergence
+    bound) binds."""
     run = torchrun(
         2,
         "--preset",
