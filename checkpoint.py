@@ -52,7 +52,7 @@ def check_sources(cfg):
         if why:
             raise SystemExit(f"--data_path {cfg.data_path}: {why}: fix or remove that line")
     for flag, name, kind in (("--model", cfg.model, "model"), ("--data_path", cfg.data_path, "dataset")):
-        if name in ("", "tiny") or os.path.isdir(name) or huggingface_hub.constants.HF_HUB_OFFLINE:
+        if name in ("", "tiny") or os.path.exists(name) or huggingface_hub.constants.HF_HUB_OFFLINE:
             continue
         try:
             huggingface_hub.utils.validate_repo_id(name)  # a path like /a/b or ./a names no hub repository

@@ -164,6 +164,7 @@ def check_config(cfg, world):
             f"--num_minibatches {cfg.num_minibatches} must divide a rank's {per_rank} x G samples",
         ),
         (cfg.kl_in_reward and cfg.beta == 0, "--kl_in_reward needs --beta above 0: beta scales the KL penalty"),
+        (cfg.std_of == "batch" and not cfg.scale_std, "--std_of batch is the std that --scale_std divides by: keep it"),
         (cfg.temperature == 0, "--temperature must be above 0: greedy samples are all alike, nothing to learn"),
         (not 0 < cfg.top_p <= 1, f"--top_p must be above 0 and at most 1, not {cfg.top_p}"),
         (not 0 < cfg.lora_alpha < math.inf, f"--lora_alpha must be above 0, not {cfg.lora_alpha}"),

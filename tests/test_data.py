@@ -535,6 +535,7 @@ def test_a_mistyped_flag_is_one_line_naming_the_nearest_flag(flags, said, capsys
         (dict(objective="dppo_tv", dppo_tv_delta=-0.1), 1, "--dppo_tv_delta must be a number from 0 up"),
         (dict(objective="dppo_kl", dppo_kl_delta=math.nan), 1, "--dppo_kl_delta"),
         (dict(objective="dppo_kl", ratio_level="sequence"), 1, "--objective dppo_kl masks tokens .* --ratio_level"),
+        (dict(std_of="batch", scale_std=False), 1, "--std_of batch is the std that --scale_std divides by"),
     ],
 )
 def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):
