@@ -139,9 +139,11 @@ def exit_together(error):
     if code and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         store = dist.TCPStore(*address, is_master=False, timeout=datetime.timedelta(seconds=10))
+        # torchrun keeps its store over the restarts of --max_restarts: a key of this attempt's own.
+        said = f"train.py: rank 0 said why, attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
         if rank == 0:
-            store.set("train.py: rank 0 said why", "")
+            store.set(said, "")
         else:
             with contextlib.suppress(RuntimeError):  # rank 0 failed elsewhere, or had nothing to say
-                store.wait(["train.py: rank 0 said why"])
+                store.wait([said])
     raise SystemExit(code)
