@@ -23,8 +23,10 @@ class Engine:
 
     push_dtype = torch.float32  # of the pushed tensors
 
-    def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):
-        """Per prompt: the sampled ids, stop included, and their log-probs under logits / temperature."""
+    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed):
+        """Per prompt: the sampled ids, stop included, their log-probs under logits / temperature, and with top_p < 1
+        or top_k > 0 each token's kept set (the ids it was drawn from), the ids one set after another and the sets'
+        sizes, the log-probs renormalised over them. Without truncation the sets are empty."""
         raise NotImplementedError
 
     def release_memory(self):
@@ -62,25 +64,23 @@ class HFEngine(Engine):
     def update(self, bucket, group):
         self.model.load_state_dict(dict(bucket), strict=False)  # check_pushed_names vouches for the names
 
-    def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):
+    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed):
         logits_bytes = max(budgets) * self.model.config.vocab_size * 4
         batch = max(1, self.batch_bytes // logits_bytes)
+        sampling = {}
+        if temperature > 0:
+            sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)  # top_k 0: off
         outputs = []
         for i in range(0, len(prompts), batch):  # each batch seeded afresh
-            outputs += self.generate_batch(
-                prompts[i : i + batch], budgets[i : i + batch], temperature, top_p, stop_ids, seed + i
-            )
+            outputs += self.generate_batch(prompts[i : i + batch], budgets[i : i + batch], sampling, stop_ids, seed + i)
         return outputs
 
-    def generate_batch(self, prompts, budgets, temperature, top_p, stop_ids, seed):
+    def generate_batch(self, prompts, budgets, sampling, stop_ids, seed):
         longest = max(map(len, prompts))
         device = self.model.device
         # Left-padded, the padding masked.
         ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
-        sampling = {}
-        if temperature > 0:
-            sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         with torch.random.fork_rng(devices=[]):  # seeded sampling that leaves the global RNG alone
             torch.manual_seed(seed)
             out = self.model.generate(
@@ -90,17 +90,27 @@ class HFEngine(Engine):
                 eos_token_id=stop_ids,
                 pad_token_id=0,
                 return_dict_in_generate=True,
-                output_logits=True,
+                output_scores=True,
                 **sampling,
             )
-        logprobs = torch.log_softmax(torch.stack(out.logits, 1).float() / (temperature or 1.0), -1)  # [N, T, V]
+        # What was sampled from: logits / temperature, -inf where top_k or top_p removed a token.
+        scores = torch.stack(out.scores, 1).float()  # [N, T, V]
+        truncated = sampling.get("top_p", 1.0) < 1 or sampling.get("top_k", 0) > 0  # greedy: nothing in `sampling`
         results = []
-        for seq, budget, seq_logprobs in zip(out.sequences[:, longest:].tolist(), budgets, logprobs):
+        for seq, budget, seq_scores in zip(out.sequences[:, longest:].tolist(), budgets, scores):
             seq = seq[:budget]  # a budget below the batch's longest
             stop = next((t for t, token in enumerate(seq) if token in stop_ids), None)
             if stop is not None:
                 seq = seq[: stop + 1]
-            results.append((seq, seq_logprobs[torch.arange(len(seq)), seq].cpu()))
+            seq_scores = seq_scores[: len(seq)]
+            logprobs = torch.log_softmax(seq_scores, -1)[torch.arange(len(seq)), seq].cpu()
+            kept_ids = torch.zeros(0, dtype=torch.int32)
+            kept_sizes = torch.zeros(0, dtype=torch.int32)
+            if truncated:
+                kept = torch.isfinite(seq_scores)  # [tokens, V]
+                kept_ids = kept.nonzero()[:, 1].int().cpu()  # row by row, each row's ids
+                kept_sizes = kept.sum(1, dtype=torch.int32).cpu()
+            results.append((seq, logprobs, kept_ids, kept_sizes))
         return results
 
 
@@ -185,15 +195,39 @@ class SGLangEngine(Engine):
         # The first request starts SGLang's event loop, which installs its own SIGTERM handler: the trainer's wins.
         self.engine.generate(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
 
-    def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):  # seeded at start, by --seed
+    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed):  # seeded at start, by --seed
         sampling = []
         for budget in budgets:
-            sampling.append(dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_ids, max_new_tokens=budget))
+            params = dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_ids, max_new_tokens=budget)
+            if top_k > 0:
+                params["top_k"] = top_k
+            sampling.append(params)
+        if temperature > 0 and (top_p < 1 or top_k > 0):
+            return self.generate_truncated(prompts, sampling)
         outputs = self.engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True)
         results = []
         for out in outputs:
             logprobs = [logprob for logprob, _, _ in out["meta_info"]["output_token_logprobs"]]
-            results.append((out["output_ids"], torch.tensor(logprobs)))
+            no_sets = torch.zeros(0, dtype=torch.int32)
+            results.append((out["output_ids"], torch.tensor(logprobs), no_sets, no_sets))
+        return results
+
+    def generate_truncated(self, prompts, sampling):
+        """Top-p / top-k sampling with each token's kept set, and its log-prob renormalised over that set, as SGLang
+        reports them (return_sampling_mask). Engine.generate has no keyword for it: the request is sent as it sends
+        its own. A kept set must be at most --sampling-mask-max-tokens (4096), which train.MAX_KEPT keeps it under."""
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        request = GenerateReqInput(input_ids=prompts, sampling_params=sampling, return_sampling_mask=True)
+        replies = self.engine.tokenizer_manager.generate_request(request, None)
+        results = []
+        for out in self.engine.loop.run_until_complete(replies.__anext__()):
+            meta = out["meta_info"]
+            kept = meta["output_token_sampling_mask"]  # per output token, the stop token too: the ids it was drawn from
+            kept_ids = torch.tensor([i for row in kept for i in row], dtype=torch.int32)
+            kept_sizes = torch.tensor([len(row) for row in kept], dtype=torch.int32)
+            logprobs = torch.tensor(meta["output_token_sampling_logprobs"], dtype=torch.float32)  # log p / kept mass
+            results.append((out["output_ids"], logprobs, kept_ids, kept_sizes))
         return results
 
     def release_memory(self):

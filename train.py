@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from transformers import AutoModelForCausalLM, HfArgumentParser
 
@@ -39,6 +39,7 @@ import launch
 import lora
 import reward
 import sandbox
+import vocab_parallel
 from reward import PromptDataset
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -62,7 +63,8 @@ class Config:
     group_size: int = 8  # G: samples per prompt
     max_new_tokens: int = 1024  # response length limit
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 1.0  # < 1: nucleus sampling, trained as sampled (README: truncated sampling); for evaluation too
+    top_k: int = 0  # > 0: only the k likeliest tokens are sampled (at most 512); 0: off
     clip_low: float = 0.2  # ratio clipped below at 1 - clip_low (docs/losses.md: GRPO, Dr. GRPO, DAPO)
     clip_high: float = 0.28  # and above at 1 + clip_high (clip-higher, DAPO)
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's one ratio per response (docs/losses.md)
@@ -111,6 +113,11 @@ class Config:
     tool: Literal["", "python"] = ""  # python: responses may run ```python blocks (docs/python-tool.md)
     max_turns: int = 4  # with --tool: generation turns per response, each but the last may end in a block that is run
 
+    @property
+    def truncated_sampling(self):
+        """--top_p or --top_k: the engines report each sampled token's kept set, log-probs are renormalised over it."""
+        return self.top_p < 1 or self.top_k > 0
+
 
 # The CPU demo: what runs, the batch, the schedule.
 CPU_PRESET = dict(model="tiny", task="toy", engine="hf", out_dir="runs/cpu", train_size=1000, test_size=100)
@@ -125,10 +132,13 @@ AT_LEAST_ONE = (
 AT_LEAST_ZERO = (
     "beta entropy_coef tis_cap overlong_buffer dynamic_sampling_rounds max_tokens_per_microbatch eval_every "
     "save_every lr sample_every temperature eval_temperature clip_low clip_high weight_decay max_grad_norm lora_rank "
-    "dppo_tv_delta dppo_kl_delta"
+    "dppo_tv_delta dppo_kl_delta top_k"
 )
 MINIMUM = {**dict.fromkeys(AT_LEAST_ONE.split(), 1), **dict.fromkeys(AT_LEAST_ZERO.split(), 0)}
 MINIMUM.update(group_size=2, reward_timeout=0.001)
+# Truncated sampling keeps at most this many tokens per sampled token (--top_k's bound, and with --top_p alone its
+# value): the trainer stores each kept set (as prime-rl, whose default it is), and SGLang reports them up to a bound.
+MAX_KEPT = 512
 
 
 def parse_config(argv=None):
@@ -167,6 +177,7 @@ def check_config(cfg, world):
         (cfg.std_of == "batch" and not cfg.scale_std, "--std_of batch is the std that --scale_std divides by: keep it"),
         (cfg.temperature == 0, "--temperature must be above 0: greedy samples are all alike, nothing to learn"),
         (not 0 < cfg.top_p <= 1, f"--top_p must be above 0 and at most 1, not {cfg.top_p}"),
+        (cfg.top_k > MAX_KEPT, f"--top_k {cfg.top_k} keeps more than the {MAX_KEPT} tokens stored per sampled token"),
         (not 0 < cfg.lora_alpha < math.inf, f"--lora_alpha must be above 0, not {cfg.lora_alpha}"),
         (not 0 < cfg.mem_fraction < 1, f"--mem_fraction is a share: above 0, below 1, not {cfg.mem_fraction}"),
         (os.path.realpath(cfg.out_dir) == os.path.realpath(cfg.model), "--out_dir must differ from --model"),
@@ -224,8 +235,11 @@ class Sample:
     # The tokens after the prompt as sampled, stop included: never re-tokenised.
     response_ids: list[int] = field(default_factory=list)
     sampled: list[bool] = field(default_factory=list)  # per response token: sampled, or tool output (no loss)
-    # The engine's log-probs of the sampled tokens, of logits / temperature.
+    # The engine's log-probs of the sampled tokens, of logits / temperature (renormalised over the kept sets).
     engine_logprobs: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    # Truncated sampling: each sampled token's kept set (the ids it was drawn from), one set after another, and sizes.
+    kept_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
+    kept_sizes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
     tool_outputs: list[str] = field(default_factory=list)  # what each run of its code printed (--tool python)
     truncated: bool = False  # cut off by --max_new_tokens rather than ended by a stop token
     score: float = 0.0  # reward_fn's value
@@ -322,20 +336,26 @@ def generate_rollouts(engine, workers, tokenizer, items, cfg, seed, temperature,
     fence_ids = reward.fence_token_ids(tokenizer) if cfg.tool else []
     samples = [Sample(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items]
     running = samples
+    top_k = cfg.top_k
+    if cfg.top_p < 1 and top_k == 0:  # the kept sets bounded
+        top_k = MAX_KEPT
     while running := [s for s in running if len(s.response_ids) < cfg.max_new_tokens]:
         outputs = engine.generate(
             [s.prompt_ids + s.response_ids for s in running],
             [cfg.max_new_tokens - len(s.response_ids) for s in running],
             temperature,
             cfg.top_p,
+            top_k,
             stop_ids + fence_ids,
             seed,
         )
-        for s, (ids, logprobs) in zip(running, outputs):
+        for s, (ids, logprobs, kept_ids, kept_sizes) in zip(running, outputs):
             s.response_ids += ids
             s.sampled += [True] * len(ids)
             s.engine_logprobs = torch.cat([s.engine_logprobs, logprobs])
-        running = [s for s, (ids, _) in zip(running, outputs) if ids and ids[-1] in fence_ids]
+            s.kept_ids = torch.cat([s.kept_ids, kept_ids])
+            s.kept_sizes = torch.cat([s.kept_sizes, kept_sizes])
+        running = [s for s, (ids, *_) in zip(running, outputs) if ids and ids[-1] in fence_ids]
         run_tools(running, workers, tokenizer, cfg)
         seed += 1  # HFEngine's next round samples afresh
     errors = score_samples(samples, items, workers, tokenizer, cfg)
@@ -447,49 +467,9 @@ def set_advantages(samples, cfg, dp_group=None):
 # Log-probs and entropy
 
 
-class FP32Logits(torch.autograd.Function):
-    """hidden @ w.T [C, V / tp] in fp32 from bf16 inputs, as SGLang's fp32 LM head (bf16 logits lose ~0.01 nats)."""
-
-    @staticmethod
-    def forward(ctx, hidden, w):
-        ctx.save_for_backward(hidden, w)
-        if hidden.is_cuda:
-            return torch.mm(hidden, w.T, out_dtype=torch.float32)
-        return hidden.float() @ w.float().T  # CPU torch lacks mm's out_dtype: an upcast
-
-    @staticmethod
-    def backward(ctx, grad):
-        # CUDA's mm(out_dtype=) has no derivative: bf16 products, as autograd's for a bf16 matmul.
-        hidden, w = ctx.saved_tensors
-        grad_hidden = grad.to(hidden.dtype) @ w
-        grad_w = grad.T.to(hidden.dtype) @ hidden if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_w
-
-
-def sum_over_tp(x, tp_mesh):
-    """All-reduce in forward, identity in backward: every tp rank computes the same loss from it."""
-    return DTensor.from_local(x, tp_mesh, [Partial()]).full_tensor()
-
-
-def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
-    """Per token: log p(target), entropy of softmax(hidden @ weight.T / T); weight sharded over tp by vocabulary."""
-    # Backward sums hidden's gradient over tp (Partial): each rank's slice of the vocabulary adds its part.
-    local_hidden = hidden.to_local(grad_placements=[Partial()])
-    logits = FP32Logits.apply(local_hidden, weight.to_local()) / temperature  # [C, V / tp]
-    max_logit = DTensor.from_local(logits.detach().amax(-1), tp_mesh, [Partial("max")]).full_tensor()
-    exp = torch.exp(logits - max_logit[:, None])
-    sum_exp = sum_over_tp(exp.sum(-1), tp_mesh)
-    slice_start = tp_mesh.get_local_rank() * math.ceil(weight.shape[0] / tp_mesh.size())  # this rank's first id
-    in_slice = (targets >= slice_start) & (targets < slice_start + logits.shape[1])
-    slice_targets = (targets - slice_start).clamp(0, logits.shape[1] - 1)
-    target_logit = sum_over_tp(logits.gather(-1, slice_targets[:, None]).squeeze(-1) * in_slice, tp_mesh)
-    log_z = max_logit + sum_exp.log()
-    entropy = log_z - sum_over_tp((exp * logits).sum(-1), tp_mesh) / sum_exp
-    return target_logit - log_z, entropy
-
-
 def response_logprobs(model, samples, cfg, tp_mesh):
-    """Log-probs and entropies [N] of the sampled response tokens; lm_head per --logprob_chunk, recomputed."""
+    """Log-probs, entropies and log kept masses [N] of the sampled response tokens; lm_head per --logprob_chunk,
+    recomputed. With truncated sampling, log p is renormalised over each token's kept set."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     device = torch.device(tp_mesh.device_type)
     longest = max(map(len, seqs))
@@ -505,20 +485,32 @@ def response_logprobs(model, samples, cfg, tp_mesh):
     # lm_head, a root parameter, stays unsharded until backward; as DTensors, backward gathers its grad, sums hidden's.
     weight = DTensor.from_local(model.lm_head.weight, tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(0)])
     hidden = DTensor.from_local(hidden, tp_mesh, [Replicate()])
-    compute = logprobs_and_entropy
+    compute = vocab_parallel.logprobs_and_entropy
     if torch.is_grad_enabled():
         # Recomputed in backward: one chunk's fp32 logits [chunk, V / tp] are alive at a time.
-        compute = functools.partial(torch.utils.checkpoint.checkpoint, logprobs_and_entropy, use_reentrant=False)
-    logp = []
-    entropy = []
-    chunk = cfg.logprob_chunk
-    for i in range(0, max(len(targets), 1), chunk):  # one, empty, where no token was sampled
-        chunk_logp, chunk_entropy = compute(
-            hidden[i : i + chunk], weight, targets[i : i + chunk], cfg.temperature, tp_mesh
+        compute = functools.partial(
+            torch.utils.checkpoint.checkpoint, vocab_parallel.logprobs_and_entropy, use_reentrant=False
         )
-        logp.append(chunk_logp)
-        entropy.append(chunk_entropy)
-    return torch.cat(logp), torch.cat(entropy)
+    kept = None
+    if cfg.truncated_sampling:
+        kept = kept_sets(samples).to(device)
+    results = []
+    for i in range(0, max(len(targets), 1), cfg.logprob_chunk):  # one, empty, where no token was sampled
+        end = i + cfg.logprob_chunk
+        chunk_kept = None if kept is None else kept[i:end]
+        results.append(compute(hidden[i:end], weight, targets[i:end], cfg.temperature, tp_mesh, chunk_kept))
+    return [torch.cat(values) for values in zip(*results)]
+
+
+def kept_sets(samples):
+    """The samples' kept sets as [sampled tokens, the largest set] of ids, -1 beyond a token's set."""
+    sizes = torch.cat([s.kept_sizes for s in samples]).long()
+    ids = torch.cat([s.kept_ids for s in samples]).long()
+    token = torch.arange(len(sizes)).repeat_interleave(sizes)  # the token each id is kept for
+    first = (sizes.cumsum(0) - sizes).repeat_interleave(sizes)  # where that token's set starts in `ids`
+    padded = torch.full((len(sizes), max(sizes.tolist(), default=0)), -1)
+    padded[token, torch.arange(len(ids)) - first] = ids
+    return padded
 
 
 @torch.no_grad()
@@ -669,7 +661,7 @@ def train_on_rollouts(model, optimizer, samples, cfg, par):
         minibatch = samples[start : start + per_minibatch]
         set_loss_weights(minibatch, cfg, par.dp_group)
         for batch in micro_batches(minibatch, cfg, par.world_group):
-            logp, entropy = response_logprobs(model, batch, cfg, par.mesh["tp"])
+            logp, entropy, log_kept_mass = response_logprobs(model, batch, cfg, par.mesh["tp"])
             if batch[0].old_logprobs is None:  # the policy that sampled them: the ratio is 1
                 old_logp = logp.detach()
             else:
@@ -684,6 +676,8 @@ def train_on_rollouts(model, optimizer, samples, cfg, par):
                 ref_logp = torch.cat([s.ref_logprobs for s in batch]).to(device)
             loss, stats = policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp, entropy, is_weights, lengths)
             loss.backward()
+            if cfg.truncated_sampling:  # what renormalising over the kept sets adds to log p, as the metric
+                stats["log_kept_mass"] = log_kept_mass.detach().sum()
             for key, value in {**stats, **mismatch}.items():
                 token_sums[key] += value
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)

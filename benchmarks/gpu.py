@@ -68,6 +68,7 @@ import launch  # noqa: E402
 import reward  # noqa: E402
 import sandbox  # noqa: E402
 import train  # noqa: E402
+import vocab_parallel  # noqa: E402
 from conftest import build_qwen_tokenizer  # noqa: E402
 from smollm2 import write_smollm2  # noqa: E402
 
@@ -243,8 +244,8 @@ def empty_cache():
 def ignoring_stops(engine):
     """The engine with stop ids dropped: every response runs to its budget, as in the direct call."""
     generate = engine.generate
-    engine.generate = lambda prompts, budgets, temperature, top_p, stop_ids, seed: generate(
-        prompts, budgets, temperature, top_p, [], seed
+    engine.generate = lambda prompts, budgets, temperature, top_p, top_k, stop_ids, seed: generate(
+        prompts, budgets, temperature, top_p, top_k, [], seed
     )
     return engine
 
@@ -272,7 +273,7 @@ def generate_directly(engine, prompts, cfg, seed):
             eos_token_id=[],
             pad_token_id=0,
             return_dict_in_generate=True,
-            output_logits=True,
+            output_scores=True,
         )
     return out.sequences[:, longest:].numel()
 
@@ -286,18 +287,19 @@ def fresh_cache(engine):
 @contextlib.contextmanager
 def bf16_logits():
     """train.py's log-prob pass with logits made in bf16 and cast to fp32 (no fp32 LM head); tp 1 only."""
-    fp32 = train.logprobs_and_entropy
+    fp32 = vocab_parallel.logprobs_and_entropy
 
-    def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh):
+    def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh, kept=None):
         logits = (hidden.to_local().bfloat16() @ weight.to_local().bfloat16().T).float() / temperature
         logp = torch.log_softmax(logits, -1)
-        return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        return logp.gather(-1, targets[:, None]).squeeze(-1), entropy, torch.zeros_like(entropy)
 
-    train.logprobs_and_entropy = logprobs_and_entropy
+    vocab_parallel.logprobs_and_entropy = logprobs_and_entropy
     try:
         yield
     finally:
-        train.logprobs_and_entropy = fp32
+        vocab_parallel.logprobs_and_entropy = fp32
 
 
 def push(model, engine, bucket_mb, par):

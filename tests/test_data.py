@@ -529,6 +529,8 @@ def test_a_mistyped_flag_is_one_line_naming_the_nearest_flag(flags, said, capsys
         (dict(top_p=0.0), 1, "--top_p must be above 0 and at most 1"),
         (dict(top_p=1.5), 1, "--top_p"),
         (dict(top_p=math.nan), 1, "--top_p"),
+        (dict(top_k=-1), 1, "--top_k must be a number from 0 up"),  # 0 is off, not -1 as in SGLang
+        (dict(top_k=513), 1, "--top_k 513 keeps more than the 512 tokens stored per sampled token"),
         (dict(mem_fraction=1.0), 1, "--mem_fraction is a share"),
         (dict(mem_fraction=0.0), 1, "--mem_fraction"),
         (dict(mem_fraction=math.nan), 1, "--mem_fraction"),

@@ -31,11 +31,11 @@ def tiny_engine(seed=0):
 
 def test_samples_end_at_the_first_stop_token_or_the_length_limit():
     engine, _ = tiny_engine()
-    outputs = engine.generate(PROMPTS * 20, [12] * 60, 1.0, 1.0, STOP, seed=0)
+    outputs = engine.generate(PROMPTS * 20, [12] * 60, 1.0, 1.0, 0, STOP, seed=0)
     assert len(outputs) == 60
-    stopped = [ids[-1] in STOP for ids, _ in outputs]
+    stopped = [ids[-1] in STOP for ids, *_ in outputs]
     assert any(stopped) and not all(stopped)
-    for (ids, logprobs), stop in zip(outputs, stopped):
+    for (ids, logprobs, *_), stop in zip(outputs, stopped):
         assert all(t not in STOP for t in ids[:-1])  # nothing after the first stop token
         assert len(ids) <= 12 if stop else len(ids) == 12
         assert logprobs.shape == (len(ids),)
@@ -44,11 +44,11 @@ def test_samples_end_at_the_first_stop_token_or_the_length_limit():
 def test_each_prompt_stops_at_its_own_budget():
     engine, _ = tiny_engine()
     budgets = [1, 5, 12] * 20
-    outputs = engine.generate(PROMPTS * 20, budgets, 1.0, 1.0, STOP, seed=0)
-    for (ids, logprobs), budget in zip(outputs, budgets):
+    outputs = engine.generate(PROMPTS * 20, budgets, 1.0, 1.0, 0, STOP, seed=0)
+    for (ids, logprobs, *_), budget in zip(outputs, budgets):
         assert 1 <= len(ids) <= budget and len(logprobs) == len(ids)
         assert ids[-1] in STOP or len(ids) == budget
-    assert any(len(ids) == 12 for ids, _ in outputs)  # the longest budget is reached, not only the batch's least
+    assert any(len(ids) == 12 for ids, *_ in outputs)  # the longest budget is reached, not only the batch's least
 
 
 def test_many_prompts_are_generated_in_batches_whose_logits_fit_the_bound():
@@ -58,20 +58,20 @@ def test_many_prompts_are_generated_in_batches_whose_logits_fit_the_bound():
     sizes, generate = [], engine.model.generate
     engine.model.generate = lambda input_ids, **kw: sizes.append(len(input_ids)) or generate(input_ids=input_ids, **kw)
     engine.batch_bytes = 5 * 6 * 96 * 4  # five prompts' logits of 6 tokens over the vocabulary of 96
-    outputs = engine.generate(PROMPTS[:1] * 12, [6] * 12, 1.0, 1.0, [], seed=0)
-    assert sizes == [5, 5, 2] and [len(ids) for ids, _ in outputs] == [6] * 12
-    assert len({tuple(ids) for ids, _ in outputs}) > 5  # not the same five samples again in each batch
+    outputs = engine.generate(PROMPTS[:1] * 12, [6] * 12, 1.0, 1.0, 0, [], seed=0)
+    assert sizes == [5, 5, 2] and [len(ids) for ids, *_ in outputs] == [6] * 12
+    assert len({tuple(ids) for ids, *_ in outputs}) > 5  # not the same five samples again in each batch
     engine.batch_bytes = 1  # below one prompt: one at a time
     sizes.clear()
-    engine.generate(PROMPTS, [6] * 3, 1.0, 1.0, [], seed=0)
+    engine.generate(PROMPTS, [6] * 3, 1.0, 1.0, 0, [], seed=0)
     assert sizes == [1, 1, 1]
 
 
 def test_engine_logprobs_are_those_of_the_tempered_distribution_it_samples():
     engine, model = tiny_engine()
     temperature = 0.7
-    outputs = engine.generate(PROMPTS, [10] * len(PROMPTS), temperature, 1.0, STOP, seed=1)
-    for prompt, (ids, logprobs) in zip(PROMPTS, outputs):
+    outputs = engine.generate(PROMPTS, [10] * len(PROMPTS), temperature, 1.0, 0, STOP, seed=1)
+    for prompt, (ids, logprobs, *_) in zip(PROMPTS, outputs):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + ids])).logits[0].double()
         want = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1 : -1]
@@ -79,19 +79,50 @@ def test_engine_logprobs_are_those_of_the_tempered_distribution_it_samples():
         assert (logprobs.double() - want).abs().max() < 1e-5
 
 
+def hf_kept_set(logits, temperature, top_k, top_p):
+    """HF's truncation, in float64: of logits / T the top_k largest (0: all), then of those, renormalised, each token
+    whose more likely ones hold less than top_p of the mass."""
+    z = logits / temperature
+    order = z.argsort(descending=True)
+    if top_k:
+        order = order[:top_k]
+    probs = torch.softmax(z[order], -1)
+    mass_before = probs.cumsum(0) - probs
+    return sorted(order[mass_before < top_p].tolist())
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 0.9), (1.0, 5, 1.0), (1.2, 12, 0.8)])
+def test_engine_reports_the_kept_set_of_each_token_and_logprobs_renormalised_over_it(temperature, top_k, top_p):
+    engine, model = tiny_engine()
+    outputs = engine.generate(PROMPTS * 4, [10] * 12, temperature, top_p, top_k, STOP, seed=1)
+    sizes = []
+    for prompt, (ids, logprobs, kept_ids, kept_sizes) in zip(PROMPTS * 4, outputs):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].double()
+        sets = kept_ids.split(kept_sizes.tolist())
+        assert len(sets) == len(ids) and kept_ids.dtype == torch.int32
+        for row, token, kept, logprob in zip(logits, ids, sets, logprobs):
+            want = hf_kept_set(row, temperature, top_k, top_p)
+            assert sorted(kept.tolist()) == want and token in want
+            full = torch.log_softmax(row / temperature, -1)
+            assert logprob.item() == pytest.approx((full[token] - full[want].logsumexp(0)).item(), abs=1e-5)
+            sizes.append(len(want))
+    assert 1 < max(sizes) < 96  # sets that hold several tokens and cut others
+
+
 def test_same_seed_same_samples_and_the_global_rng_is_untouched():
     engine, _ = tiny_engine()
     state = torch.random.get_rng_state()
-    a = engine.generate(PROMPTS, [8] * len(PROMPTS), 1.0, 1.0, STOP, seed=7)
-    b = engine.generate(PROMPTS, [8] * len(PROMPTS), 1.0, 1.0, STOP, seed=7)
-    c = engine.generate(PROMPTS, [8] * len(PROMPTS), 1.0, 1.0, STOP, seed=8)
-    assert [ids for ids, _ in a] == [ids for ids, _ in b] != [ids for ids, _ in c]
+    a = engine.generate(PROMPTS, [8] * len(PROMPTS), 1.0, 1.0, 0, STOP, seed=7)
+    b = engine.generate(PROMPTS, [8] * len(PROMPTS), 1.0, 1.0, 0, STOP, seed=7)
+    c = engine.generate(PROMPTS, [8] * len(PROMPTS), 1.0, 1.0, 0, STOP, seed=8)
+    assert [ids for ids, *_ in a] == [ids for ids, *_ in b] != [ids for ids, *_ in c]
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
 def test_greedy_decoding_at_temperature_zero():
     engine, model = tiny_engine()
-    [(sampled, _)] = engine.generate(PROMPTS[:1], [6], 0.0, 1.0, [], seed=0)
+    [(sampled, *_)] = engine.generate(PROMPTS[:1], [6], 0.0, 1.0, 0, [], seed=0)
     ids = list(PROMPTS[0])
     with torch.no_grad():
         for _ in range(6):
@@ -123,7 +154,7 @@ def push_then_generate(rank, world, folder, dp, tp):
     finally:
         workers.close()
     with torch.no_grad():
-        trainer_logp, _ = train.response_logprobs(model, samples, cfg, par.mesh["tp"])
+        trainer_logp, _, _ = train.response_logprobs(model, samples, cfg, par.mesh["tp"])
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     scores_right = errors == [] and [s.score for s in samples] == [
         reward.toy_reward(text, item["target"]) for text, item in zip(texts, repeated)

@@ -285,7 +285,7 @@ def test_released_memory_is_resumed_weights_first_then_kv_cache_after_the_flush(
         assert buckets >= 2 and fake.calls[1:] == push_calls(kind, buckets, 1)
         assert not fake.offload_tags
         assert all(torch.equal(fake.weights[0][n], p.detach().to(torch.bfloat16)) for n, p in model.named_parameters())
-        engine.generate([[5, 6]], [4], 1.0, 1.0, [3], seed=0)  # the fake refuses to generate from released memory
+        engine.generate([[5, 6]], [4], 1.0, 1.0, 0, [3], seed=0)  # the fake refuses to generate from released memory
         fake.calls.clear()
 
 
@@ -312,19 +312,28 @@ def test_a_failed_weight_update_raises_with_sglangs_message(sglang):
 def test_generate_keeps_ids_exactly_with_the_stop_token(sglang):
     engine, fake = start(sglang, "SessionEngine")
     prompts, stop, limit = [[5, 6, 7], [8, 9], [10, 11, 12], [13]], [3, 4], 6
-    outputs = engine.generate(prompts, [limit] * len(prompts), 0.7, 0.9, stop, seed=1)
+    outputs = engine.generate(prompts, [limit] * len(prompts), 0.7, 1.0, 0, stop, seed=1)
     [(_, n, params)] = fake.calls
     assert n == len(prompts)
-    assert params == [{"temperature": 0.7, "top_p": 0.9, "max_new_tokens": limit, "stop_token_ids": stop}] * n
+    assert params == [{"temperature": 0.7, "top_p": 1.0, "max_new_tokens": limit, "stop_token_ids": stop}] * n
     raw = fake.generate(input_ids=prompts, sampling_params=params, return_logprob=True)  # deterministic
     assert len(outputs) == len(prompts)
-    for (ids, logprobs), o in zip(outputs, raw):
+    for (ids, logprobs, kept_ids, kept_sizes), o in zip(outputs, raw):
         assert ids == o["output_ids"]  # the stop token stays in
         engine_logprobs = [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
         assert torch.equal(logprobs, torch.tensor(engine_logprobs))
+        assert len(kept_ids) == len(kept_sizes) == 0  # sampling not truncated: no kept sets
     # Prompt 2 sampled its stop token exactly at the limit: 0.5.17 reports "length", yet the ids end in the stop.
     assert raw[2]["meta_info"]["finish_reason"]["type"] == "length"
     assert len(outputs[2][0]) == limit and outputs[2][0][-1] in stop
+
+
+def test_greedy_decoding_with_top_k_asks_for_no_kept_sets(sglang):
+    """Greedy evaluation keeps one token: --top_k reaches SGLang, and no sampling mask is asked for."""
+    engine, fake = start(sglang, "SessionEngine")
+    engine.generate([[5, 6, 7]], [4], 0.0, 1.0, 20, [3], seed=0)
+    [(_, _, params)] = fake.calls
+    assert params == [{"temperature": 0.0, "top_p": 1.0, "top_k": 20, "max_new_tokens": 4, "stop_token_ids": [3]}]
 
 
 def start_on_a_tp_group_of_two(rank, world, out_dir):

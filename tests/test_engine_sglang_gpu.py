@@ -2,6 +2,7 @@
 match the trainer's), a second push replaces them, and released memory really goes back to the GPU and returns.
 Skipped without a CUDA GPU and sglang. Run with `pytest -s tests/test_engine_sglang_gpu.py` to see the numbers."""
 
+import dataclasses
 import importlib.util
 import os
 import time
@@ -44,16 +45,19 @@ def gpu_config():
 
 
 def rollout(engine, cfg, prompts):
-    outputs = engine.generate(prompts, [cfg.max_new_tokens] * len(prompts), cfg.temperature, cfg.top_p, [2], seed=0)
-    return [
-        train.Sample(prompt, response_ids=ids, sampled=[True] * len(ids), engine_logprobs=logprobs)
-        for prompt, (ids, logprobs) in zip(prompts, outputs)
-    ]
+    budgets = [cfg.max_new_tokens] * len(prompts)
+    outputs = engine.generate(prompts, budgets, cfg.temperature, cfg.top_p, cfg.top_k, [2], seed=0)
+    samples = []
+    for prompt, (ids, logprobs, kept_ids, kept_sizes) in zip(prompts, outputs):
+        sample = train.Sample(prompt, response_ids=ids, sampled=[True] * len(ids), engine_logprobs=logprobs)
+        sample.kept_ids, sample.kept_sizes = kept_ids, kept_sizes
+        samples.append(sample)
+    return samples
 
 
 def mismatch(model, samples, cfg, tp_mesh):
     with torch.no_grad():
-        trainer, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
+        trainer, _, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
     if hasattr(model, "reshard"):
         model.reshard()  # FSDP2 leaves root parameters unsharded after a forward; the push and the edits below
         # must see the sharded fp32 masters
@@ -113,6 +117,15 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
             f"over {sum(len(s.response_ids) for s in samples)} tokens"
         )
         assert first[0] < MEAN_TOL and first[1] < MAX_TOL
+        # Top-p sampling (with train.py's bound on top_k): SGLang's kept sets and renormalised log-probs against the
+        # trainer's renormalised over the same sets, and against its full-vocabulary ones (the bias before).
+        truncated = dataclasses.replace(cfg, top_p=0.9, top_k=train.MAX_KEPT)
+        samples = rollout(engine, truncated, prompts)
+        renormalised, full = [mismatch(model, samples, c, par.mesh["tp"]) for c in (truncated, cfg)]
+        print(
+            f"top_p 0.9: mean |dlogp| {renormalised[0]:.4f}, max {renormalised[1]:.4f}; full vocabulary {full[0]:.4f}"
+        )
+        assert renormalised[0] < MEAN_TOL and renormalised[1] < MAX_TOL and full[0] > 3 * renormalised[0]
 
         # New weights: noise on every master shard. The old policy stays around, unsharded in bf16, to show what a
         # stale push would look like.

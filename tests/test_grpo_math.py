@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import launch
 import train
+import vocab_parallel
 from live_logits import LiveLogits
 from test_parallel import VOCAB, make_samples, save_reference, sharded_model, tiny_config
 from workers import run_ranks
@@ -323,7 +324,7 @@ def chunked_against_naive(rank, world, chunk, temperature):
     cfg = train.Config(logprob_chunk=chunk, temperature=temperature)
     tp_mesh = launch.parallel_groups("cpu", 1).mesh["tp"]
     with torch.no_grad():
-        logp, ent = train.response_logprobs(model, samples, cfg, tp_mesh)
+        logp, ent, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
         want_logp, want_ent = naive_logprobs(model, samples, temperature)
     return (
         logp.shape == want_logp.shape,
@@ -346,7 +347,7 @@ def peak_logits(rank, world, chunk, n, tp):
     tp_mesh = launch.parallel_groups("cpu", tp).mesh["tp"]
     tracker, cfg = LiveLogits(VOCAB // tp, model.config.hidden_size), train.Config(logprob_chunk=chunk)
     with tracker:
-        logp, entropy = train.response_logprobs(model, samples, cfg, tp_mesh)
+        logp, entropy, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
         ones = torch.ones_like(logp)
         loss, _ = train.policy_loss(logp, logp.detach(), ones, ones, cfg, None, entropy)
         loss.backward()
@@ -371,7 +372,7 @@ def vocab_sharded(rank, world, vocab, tp):
     samples = make_samples(5, seed=8)
     tp_mesh = launch.parallel_groups("cpu", tp).mesh["tp"]
     cfg = train.Config(logprob_chunk=7, temperature=0.8)
-    logp, ent = train.response_logprobs(model, samples, cfg, tp_mesh)
+    logp, ent, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
     g = torch.Generator().manual_seed(1)
     (logp @ torch.randn(len(logp), generator=g) + ent @ torch.randn(len(ent), generator=g)).backward()
     grads = {name: p.grad.numpy().copy() for name, p in model.named_parameters() if p.grad is not None}
@@ -388,9 +389,70 @@ def test_vocabulary_sharded_logprobs_entropy_and_gradients_equal_the_gathered_on
             assert abs(grads[name] - grad).max() < 1e-5 * max(1.0, abs(grad).max()), name
 
 
+def with_kept_sets(samples, vocab, seed):
+    """Each sampled token's kept set: its own id and up to 40 others drawn at random (from every tp rank's slice)."""
+    g = torch.Generator().manual_seed(seed)
+    for s in samples:
+        sets = []
+        for token, was_sampled in zip(s.response_ids, s.sampled):
+            if was_sampled:
+                others = torch.randperm(vocab, generator=g)[: torch.randint(0, 41, (), generator=g)].tolist()
+                sets.append([token] + [i for i in others if i != token])
+        s.kept_ids = torch.tensor([i for kept in sets for i in kept], dtype=torch.int32)
+        s.kept_sizes = torch.tensor([len(kept) for kept in sets], dtype=torch.int32)
+    return samples
+
+
+def renormalised_logprobs(rank, world, vocab, tp, dtype):
+    """Log-probs renormalised over the kept sets, log kept masses and the gradients of a random mix of both: the
+    trainer's (float32, vocabulary sharded over tp) or, for dtype float64, from the definition, token by token."""
+    config = tiny_config("qwen3", True)
+    config.vocab_size = vocab
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    samples = with_kept_sets(make_samples(5, seed=8), vocab, seed=2)
+    temperature = 0.8
+    if dtype == torch.float32:
+        cfg = train.Config(logprob_chunk=7, temperature=temperature, top_p=0.9)
+        tp_mesh = launch.parallel_groups("cpu", tp).mesh["tp"]
+        logp, _, log_kept = train.response_logprobs(model, samples, cfg, tp_mesh)
+    else:  # log p(y) - log (sum of p(v) over the kept set v), of softmax(logits / T) over the whole vocabulary
+        logp, log_kept = [], []
+        for s in samples:
+            p = len(s.prompt_ids)
+            logits = model(torch.tensor([s.prompt_ids + s.response_ids])).logits[0, p - 1 : -1] / temperature
+            probs = torch.softmax(logits[torch.tensor(s.sampled)], -1)
+            sets = s.kept_ids.long().split(s.kept_sizes.tolist())
+            targets = [t for t, was_sampled in zip(s.response_ids, s.sampled) if was_sampled]
+            for row, target, kept in zip(probs, targets, sets):
+                logp.append(torch.log(row[target] / row[kept].sum()))
+                log_kept.append(torch.log(row[kept].sum()))
+        logp, log_kept = torch.stack(logp), torch.stack(log_kept)
+    g = torch.Generator().manual_seed(1)
+    mix = torch.randn(len(logp), generator=g, dtype=torch.float64).to(dtype)
+    (logp @ mix + log_kept @ mix.flip(0)).backward()
+    grads = {name: p.grad.double().numpy() for name, p in model.named_parameters() if p.grad is not None}
+    return logp.detach().double().numpy(), log_kept.detach().double().numpy(), grads
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, VOCAB + 1])  # an odd vocabulary: uneven slices over tp = 2
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logprobs_renormalised_over_the_kept_sets_and_their_gradients_equal_the_definition(tp, vocab):
+    """Truncated sampling: p(y) / (the kept set's mass), as the engine sampled it, and log of that mass; a set spans
+    both ranks' slices of the vocabulary at tp 2. Against float64 from the definition."""
+    want_logp, want_kept, want_grads = run_ranks(renormalised_logprobs, 1, vocab, 1, torch.float64)[0]
+    assert (want_kept < -0.5).mean() > 0.9  # the sets hold little of the mass: renormalising matters
+    for logp, log_kept, grads in run_ranks(renormalised_logprobs, tp, vocab, tp, torch.float32):
+        assert abs(logp - want_logp).max() < 1e-5 and abs(log_kept - want_kept).max() < 1e-5
+        assert sorted(grads) == sorted(want_grads)
+        for name, grad in want_grads.items():
+            assert abs(grads[name] - grad).max() < 1e-5 * max(1.0, abs(grad).max()), name
+
+
 def bf16_logit_errors(rank, world, tp):
     """Max error of the sampled tokens' log-probs from bf16 hidden states and lm_head, against float64 from the same
-    bf16 values: train.logprobs_and_entropy's, and that of logits rounded to bf16 before the softmax (the old way)."""
+    bf16 values: vocab_parallel.logprobs_and_entropy's, and that of logits rounded to bf16 before the softmax (the old
+    way)."""
     g = torch.Generator().manual_seed(0)
     hidden = (torch.randn(64, 1024, generator=g) / 4).bfloat16()
     weight = (torch.randn(8192, 1024, generator=g) / 8).bfloat16()
@@ -402,7 +464,9 @@ def bf16_logit_errors(rank, world, tp):
     tp_mesh = launch.parallel_groups("cpu", tp).mesh["tp"]
     h = hidden.clone().requires_grad_()
     w = distribute_tensor(weight, tp_mesh, [Shard(0)]).requires_grad_()
-    logp, _ = train.logprobs_and_entropy(DTensor.from_local(h, tp_mesh, [Replicate()]), w, targets, 1.0, tp_mesh)
+    logp, _, _ = vocab_parallel.logprobs_and_entropy(
+        DTensor.from_local(h, tp_mesh, [Replicate()]), w, targets, 1.0, tp_mesh
+    )
     logp.sum().backward()
     grad_errors = [
         ((g.double() - g64).abs().max() / g64.abs().max()).item()  # bf16 gradients: relative ~1e-2

@@ -16,7 +16,11 @@ alone) and reused by its tests.
 """
 
 import glob
+import json
+import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -378,3 +382,43 @@ def test_sglangs_reduction_patch_stops_cpu_tensors_from_pickling_for_ipc(cluster
     """monkey_patch_torch_reductions() rewrites argument 6 of every reduced tensor (the CUDA device): a CPU tensor's
     reduction has 3, so ForkingPickler fails. engines.start_engine patches only when CUDA is present."""
     assert clusters(1, 1).cpu_tensor_ipc_pickle() == "IndexError: tuple index out of range"
+
+
+def kept_set(logits, temperature, top_p, top_k):
+    """SGLang's truncation, in float64: of softmax(logits / T) each token ranked below top_k whose more likely tokens
+    hold at most top_p of the mass, both on the whole distribution (not top_p of the top-k-renormalised one, as HF)."""
+    probs = torch.softmax(torch.tensor(logits, dtype=torch.float64) / temperature, -1)
+    ordered, order = probs.sort(descending=True)
+    mass_before = ordered.cumsum(0) - ordered
+    keep = (torch.arange(len(order)) < top_k) & (mass_before <= top_p)
+    return sorted(order[keep].tolist()), probs
+
+
+def test_truncated_sampling_reads_sglangs_kept_sets_and_renormalised_logprobs(tmp_path):
+    """engines.SGLangEngine.generate with top_p / top_k, through sglang's own sampler, result processing, wire and
+    tokenizer manager (tests/sglang_sampling_mask.py): a kept set per output token, the stop token's included, equal
+    to the truncation's definition and holding the token sampled; log-probs renormalised over it."""
+    out = tmp_path / "calls.json"
+    harness = os.path.join(os.path.dirname(__file__), "sglang_sampling_mask.py")
+    run = subprocess.run([sys.executable, harness, str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    calls = json.loads(out.read_text())
+    assert [(c["temperature"], c["top_p"], c["top_k"]) for c in calls] == [
+        (0.7, 0.9, 512),
+        (1.3, 1.0, 5),
+        (1.0, 0.8, 20),
+    ]
+    sizes_seen = set()
+    for call in calls:
+        assert call["dtypes"] == [["torch.float32", "torch.int32", "torch.int32"]] * 2
+        for logits, (ids, logprobs, kept_ids, kept_sizes) in zip(call["logits"], call["outputs"]):
+            assert len(logits) == len(ids) == len(logprobs) == len(kept_sizes)
+            assert ids[-1] == 7 or len(ids) == 6  # ended by the stop id, or at the budget
+            assert sum(kept_sizes) == len(kept_ids)
+            sets = torch.tensor(kept_ids).split(kept_sizes)
+            for row, token, logprob, kept in zip(logits, ids, logprobs, sets):
+                want, probs = kept_set(row, call["temperature"], call["top_p"], call["top_k"])
+                assert sorted(kept.tolist()) == want and token in want
+                assert logprob == pytest.approx(math.log(probs[token] / probs[want].sum()), abs=1e-5)
+                sizes_seen.add(len(want))
+    assert min(sizes_seen) == 1 and max(sizes_seen) > 20  # top_p's sets vary; the stop, made likely, stands alone

@@ -45,7 +45,7 @@ class ScriptedEngine(engines.Engine):
         self.done = dict.fromkeys(self.scripts, 0)  # sampled tokens given out so far, per prompt
         self.calls = []
 
-    def generate(self, prompts, budgets, temperature, top_p, stop_ids, seed):
+    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed):
         self.calls.append({"prompts": [list(p) for p in prompts], "budgets": list(budgets), "stop_ids": stop_ids})
         outputs = []
         for ids, budget in zip(prompts, budgets):
@@ -54,7 +54,13 @@ class ScriptedEngine(engines.Engine):
             rest = self.scripts[prompt][start : start + budget]
             end = next((i + 1 for i, t in enumerate(rest) if t in stop_ids), len(rest))
             self.done[prompt] += end
-            outputs.append((rest[:end], torch.tensor([-(start + i + 1) / 100 for i in range(end)])))
+            logprobs = torch.tensor([-(start + i + 1) / 100 for i in range(end)])
+            kept_ids = torch.zeros(0, dtype=torch.int32)  # truncated sampling: each token kept with the id after it
+            kept_sizes = torch.zeros(0, dtype=torch.int32)
+            if top_p < 1 or top_k > 0:
+                kept_ids = torch.tensor([i for t in rest[:end] for i in (t, t + 1)], dtype=torch.int32)
+                kept_sizes = torch.full((end,), 2, dtype=torch.int32)
+            outputs.append((rest[:end], logprobs, kept_ids, kept_sizes))
         return outputs
 
 
@@ -99,6 +105,18 @@ def test_a_closed_block_is_run_and_its_output_appended_as_unsampled_tokens_the_i
     assert [t for t in first if t in fences] == ids(tok, "```") + ids(tok, "``") + ids(tok, "`\n")
     assert len(engine.calls) == 4 and all(set(c["stop_ids"]) >= fences for c in engine.calls)
     assert tok.decode(s.response_ids) == FIRST + "```output\n42\n```\n" + AFTER
+
+
+def test_kept_sets_of_truncated_sampling_follow_the_sampled_tokens_across_turns_and_the_tool_output_has_none(
+    qwen_tokenizer,
+):
+    tok = qwen_tokenizer
+    engine, [s] = rollouts(tok, {"Q:": FIRST + AFTER}, max_new_tokens=200, top_p=0.9)
+    sampled = [t for t, was_sampled in zip(s.response_ids, s.sampled) if was_sampled]
+    assert s.kept_sizes.tolist() == [2] * len(sampled) == [2] * s.num_sampled
+    assert s.kept_ids.tolist() == [i for t in sampled for i in (t, t + 1)]  # each set with its own token, in order
+    _, [plain] = rollouts(tok, {"Q:": FIRST + AFTER}, max_new_tokens=200)
+    assert len(plain.kept_ids) == len(plain.kept_sizes) == 0  # no truncation: nothing kept
 
 
 def test_a_response_without_code_is_one_engine_call_and_nothing_is_run(qwen_tokenizer):

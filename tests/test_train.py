@@ -49,6 +49,7 @@ def test_cpu_preset_learns_the_toy_reward(tmp_path):
     assert mean(last, "entropy") < mean(first, "entropy")
     # Engine and trainer hold the same weights after every push: their logprobs agree on every step.
     assert max(r["mismatch_abs"] for r in rows) < 1e-4
+    assert all("log_kept_mass" not in r for r in rows)  # sampling not truncated: nothing renormalised
     for key in (
         "accuracy",
         "response_len",
@@ -320,6 +321,23 @@ def test_gspo_cispo_dppo_and_masked_importance_sampling_learn_the_toy_reward(fla
         assert all("is_masked_tokens" not in r for r in rows)  # no masking without --is_mode mask
     if "cispo" not in flags:
         assert max(r["clip_frac"] for r in rows) > 0
+
+
+@pytest.mark.parametrize(
+    "flags", [("--top_p", "0.9"), ("--top_p", "0.95", "--top_k", "20", "--tp", "2")], ids=["top_p", "top_k_tp2"]
+)
+def test_truncated_sampling_is_trained_as_sampled_and_the_kept_mass_is_reported(flags, tmp_path):
+    """The HF engine samples from the truncated distribution and reports each token's kept set; the trainer's
+    log-probs (old and new, two mini-batches a step), renormalised over those sets, agree with the engine's to fp32
+    noise, where over the full vocabulary they would differ by the log of the kept mass, logged every step."""
+    common = ("--preset", "cpu", "--steps", "15", "--eval_every", "0", "--num_minibatches", "2")
+    run = torchrun(2, *common, *flags, "--out_dir", str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert rows[0]["reward"] < 0.3 and rows[-1]["reward"] > 0.8
+    assert all(r["log_kept_mass"] <= 0 for r in rows) and rows[0]["log_kept_mass"] < -0.05
+    assert all(r["mismatch_abs"] < 1e-5 for r in rows)
+    assert rows[0]["mismatch_abs"] < 1e-4 * -rows[0]["log_kept_mass"]
 
 
 def test_python_train_py_runs_as_one_process_without_torchrun(tmp_path):

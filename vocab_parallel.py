@@ -1,0 +1,64 @@
+"""Log-probs and entropy from an LM head sharded by vocabulary over the tensor-parallel ranks, for train.py.
+
+Each rank holds V / tp rows of the LM head and computes its slice of the logits in fp32, chunk by chunk; the softmax's
+maximum and sums are all-reduced over tp, so the full [tokens, V] logits never exist on one rank. Backward sums the
+hidden states' gradient over tp, each rank adding its slice's part. With truncated sampling (--top_p, --top_k), the
+sampled token's log-prob is renormalised over the ids it was sampled from, wherever they fall in the vocabulary.
+"""
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor, Partial
+
+
+class FP32Logits(torch.autograd.Function):
+    """hidden @ w.T [C, V / tp] in fp32 from bf16 inputs, as SGLang's fp32 LM head (bf16 logits lose ~0.01 nats)."""
+
+    @staticmethod
+    def forward(ctx, hidden, w):
+        ctx.save_for_backward(hidden, w)
+        if hidden.is_cuda:
+            return torch.mm(hidden, w.T, out_dtype=torch.float32)
+        return hidden.float() @ w.float().T  # CPU torch lacks mm's out_dtype: an upcast
+
+    @staticmethod
+    def backward(ctx, grad):
+        # CUDA's mm(out_dtype=) has no derivative: bf16 products, as autograd's for a bf16 matmul.
+        hidden, w = ctx.saved_tensors
+        grad_hidden = grad.to(hidden.dtype) @ w
+        grad_w = grad.T.to(hidden.dtype) @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_w
+
+
+def sum_over_tp(x, tp_mesh):
+    """All-reduce in forward, identity in backward: every tp rank computes the same loss from it."""
+    return DTensor.from_local(x, tp_mesh, [Partial()]).full_tensor()
+
+
+def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh, kept=None):
+    """Per token: log p(target), entropy of softmax(hidden @ weight.T / T) and log of the kept sets' mass; weight
+    sharded over tp by vocabulary. With `kept`, the ids [C, K] each token was sampled from (-1 beyond its set), log p
+    is renormalised over them."""
+    # Backward sums hidden's gradient over tp (Partial): each rank's slice of the vocabulary adds its part.
+    local_hidden = hidden.to_local(grad_placements=[Partial()])
+    logits = FP32Logits.apply(local_hidden, weight.to_local()) / temperature  # [C, V / tp]
+    max_logit = DTensor.from_local(logits.detach().amax(-1), tp_mesh, [Partial("max")]).full_tensor()
+    exp = torch.exp(logits - max_logit[:, None])
+    sum_exp = sum_over_tp(exp.sum(-1), tp_mesh)
+    slice_start = tp_mesh.get_local_rank() * math.ceil(weight.shape[0] / tp_mesh.size())  # this rank's first id
+    target_logit = sum_over_tp(slice_values(logits, targets[:, None], slice_start).squeeze(-1), tp_mesh)
+    log_z = max_logit + sum_exp.log()
+    entropy = log_z - sum_over_tp((exp * logits).sum(-1), tp_mesh) / sum_exp
+    log_z_sampled = log_z  # the normaliser of the distribution sampled from
+    if kept is not None:  # a set spans the vocabulary's slices: each rank sums the exp of its own ids
+        kept_logits = slice_values(logits, kept, slice_start, -math.inf)
+        log_z_sampled = max_logit + sum_over_tp(torch.exp(kept_logits - max_logit[:, None]).sum(-1), tp_mesh).log()
+    return target_logit - log_z_sampled, entropy, log_z_sampled - log_z
+
+
+def slice_values(logits, ids, slice_start, outside=0.0):
+    """logits [C, V / tp] at ids [C, K] of the full vocabulary, `outside` where an id is another rank's."""
+    in_slice = (ids >= slice_start) & (ids < slice_start + logits.shape[1])
+    values = logits.gather(-1, (ids - slice_start).clamp(0, logits.shape[1] - 1))
+    return values.masked_fill(~in_slice, outside)
