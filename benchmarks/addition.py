@@ -56,9 +56,9 @@ def held_out_greedy_accuracy(folder, cfg):
     items = [test_set[i] for i in range(cfg.eval_prompts)]
     prompts = [reward.encode_prompt(tokenizer, item["prompt"]) for item in items]
     outputs = engine.generate(
-        prompts, [cfg.max_new_tokens] * len(prompts), 0.0, 1.0, reward.stop_token_ids(tokenizer), cfg.seed
+        prompts, [cfg.max_new_tokens] * len(prompts), 0.0, 1.0, 0, reward.stop_token_ids(tokenizer), cfg.seed
     )
-    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in outputs]
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, *_ in outputs]
     return sum(reward.reward_fn(text, item) >= 1 for text, item in zip(texts, items)) / len(items)
 
 

@@ -167,10 +167,10 @@ def stages(rank, world, folder):
     g = torch.Generator().manual_seed(rank)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (16, 32, 48, 64) for _ in range(4)]
     outputs, t_gen, m_gen = measure(
-        lambda: engine.generate(prompts, [cfg.max_new_tokens] * len(prompts), 1.0, 1.0, [2], seed=rank)
+        lambda: engine.generate(prompts, [cfg.max_new_tokens] * len(prompts), 1.0, 1.0, 0, [2], seed=rank)
     )
     samples = [
-        train.Sample(prompt, ids, [True] * len(ids), logprobs) for prompt, (ids, logprobs) in zip(prompts, outputs)
+        train.Sample(prompt, ids, [True] * len(ids), logprobs) for prompt, (ids, logprobs, *_) in zip(prompts, outputs)
     ]
     for sample in samples:
         sample.advantage = float(torch.randn(1, generator=g))

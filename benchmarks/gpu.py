@@ -293,7 +293,10 @@ def bf16_logits():
         logits = (hidden.to_local().bfloat16() @ weight.to_local().bfloat16().T).float() / temperature
         logp = torch.log_softmax(logits, -1)
         entropy = -(logp.exp() * logp).sum(-1)
-        return logp.gather(-1, targets[:, None]).squeeze(-1), entropy, torch.zeros_like(entropy)
+        log_kept_mass = torch.zeros_like(entropy)
+        if kept is not None:  # truncated sampling: renormalised over each token's kept set (-1: padding)
+            log_kept_mass = logp.gather(-1, kept.clamp(min=0)).masked_fill(kept < 0, -torch.inf).logsumexp(-1)
+        return logp.gather(-1, targets[:, None]).squeeze(-1) - log_kept_mass, entropy, log_kept_mass
 
     vocab_parallel.logprobs_and_entropy = logprobs_and_entropy
     try:

@@ -7,6 +7,7 @@ the port is taken; it records the environment its processes would inherit (`envi
 Engine: 0.5.17 (no weight-update session). SessionEngine: 0.5.21+ (begin/end_weight_update, and updates outside a
 session fail). FailingEngine: every weight update reports (False, "boom")."""
 
+import asyncio
 import json
 import os
 import signal
@@ -91,6 +92,8 @@ class Engine:
         self.producers = [set() for _ in range(self.tp_size)]  # pids of the processes whose memory each rank read
         self.offload_tags = set()
         self.calls = []
+        self.loop = asyncio.new_event_loop()  # Engine.generate runs the tokenizer manager's coroutines on it
+        self.tokenizer_manager = self  # its generate_request, here the engine's own
 
     def generate(self, input_ids=None, sampling_params=None, return_logprob=False, **unused):
         """Prompt i: i % 3 == 0 stops after two tokens; 1 runs to max_new_tokens; 2 samples a stop token exactly at
@@ -128,6 +131,18 @@ class Engine:
                 meta["output_token_logprobs"] = [(-0.01 * (i + 1) - 0.001 * j, t, None) for j, t in enumerate(ids)]
             outputs.append({"output_ids": ids, "meta_info": meta})
         return outputs
+
+    async def generate_request(self, obj, request=None):
+        """A GenerateReqInput asking for sampling masks, as SGLangEngine.generate_truncated sends it: generate's
+        outputs, with meta_info's per-token kept set (the token, and the id before it) and its log-prob renormalised
+        over that set (tests/sglang_sampling_mask.py runs sglang's own code for these)."""
+        assert obj.return_sampling_mask and request is None
+        outputs = self.generate(input_ids=obj.input_ids, sampling_params=obj.sampling_params)
+        for out in outputs:
+            ids = out["output_ids"]
+            out["meta_info"]["output_token_sampling_mask"] = [[t, t - 1] for t in ids]
+            out["meta_info"]["output_token_sampling_logprobs"] = [-0.05 - 0.001 * j for j in range(len(ids))]
+        yield outputs
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         self.calls.append(("update", len(named_tensors), load_format, flush_cache))

@@ -84,7 +84,7 @@ def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_ru
 
 FAKE_SGLANG = """
 import json, sys
-sys.path[:0] = ["tests", "benchmarks"]
+sys.path[:0] = ["tests", "benchmarks", "tests/sglang_cpu_stubs"]  # the stubs: for io_struct (top_p's requests)
 import sglang, fake_sglang_engine
 sglang.Engine = fake_sglang_engine.Engine
 import gpu
@@ -111,6 +111,10 @@ def test_the_sglang_path_drives_sglang_as_train_py_does_and_starts_the_bf16_engi
         isinstance(p, list) and all(q["stop_token_ids"] == [] and q["max_new_tokens"] == 8 for q in p) for p in generate
     )
     assert {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "ignore_eos": True} in generate
+    # The log-prob rows at top_p 0.9 sample as train.py does: top_k bounded by train.MAX_KEPT, kept sets asked for.
+    calls = [c[2] for e in engines[1:] for c in e["calls"] if c[0] == "generate" and isinstance(c[2], list)]
+    truncated = [params for params in calls if params[0]["top_p"] == 0.9]
+    assert truncated and all(q["top_k"] == 512 for params in truncated for q in params)
     calls = engines[0]["calls"]  # no prefix cached by an earlier run: a flush before each generation but the first
     assert all(calls[i - 1] == ["flush_cache"] for i, c in enumerate(calls) if c[0] == "generate" and i > 0)
     table = json.loads((tmp_path / "table.json").read_text())
