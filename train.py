@@ -63,7 +63,7 @@ class Config:
     group_size: int = 8  # G: samples per prompt
     max_new_tokens: int = 1024  # response length limit
     temperature: float = 1.0
-    top_p: float = 1.0  # < 1: nucleus sampling, trained as sampled (README: truncated sampling); for evaluation too
+    top_p: float = 1.0  # < 1: nucleus sampling, trained as sampled (docs/losses.md: truncated sampling); eval too
     top_k: int = 0  # > 0: only the k likeliest tokens are sampled (at most 512); 0: off
     clip_low: float = 0.2  # ratio clipped below at 1 - clip_low (docs/losses.md: GRPO, Dr. GRPO, DAPO)
     clip_high: float = 0.28  # and above at 1 + clip_high (clip-higher, DAPO)

