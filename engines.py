@@ -7,6 +7,7 @@ the interface is Engine's, and start_engine picks the engine for --engine.
 """
 
 import importlib.util
+import itertools
 import os
 import signal
 import socket
@@ -224,7 +225,7 @@ class SGLangEngine(Engine):
         for out in self.engine.loop.run_until_complete(replies.__anext__()):
             meta = out["meta_info"]
             kept = meta["output_token_sampling_mask"]  # per output token, the stop token too: the ids it was drawn from
-            kept_ids = torch.tensor([i for row in kept for i in row], dtype=torch.int32)
+            kept_ids = torch.tensor(list(itertools.chain.from_iterable(kept)), dtype=torch.int32)
             kept_sizes = torch.tensor([len(row) for row in kept], dtype=torch.int32)
             logprobs = torch.tensor(meta["output_token_sampling_logprobs"], dtype=torch.float32)  # log p / kept mass
             results.append((out["output_ids"], logprobs, kept_ids, kept_sizes))

@@ -506,9 +506,13 @@ def kept_sets(samples):
     """The samples' kept sets as [sampled tokens, the largest set] of ids, -1 beyond a token's set."""
     sizes = torch.cat([s.kept_sizes for s in samples]).long()
     ids = torch.cat([s.kept_ids for s in samples]).long()
+    sampled = sum(s.num_sampled for s in samples)
+    if len(sizes) != sampled:  # an engine that breaks Engine.generate's contract
+        raise RuntimeError(f"the engine reported {len(sizes)} kept sets for {sampled} sampled tokens")
     token = torch.arange(len(sizes)).repeat_interleave(sizes)  # the token each id is kept for
     first = (sizes.cumsum(0) - sizes).repeat_interleave(sizes)  # where that token's set starts in `ids`
-    padded = torch.full((len(sizes), max(sizes.tolist(), default=0)), -1)
+    width = max(sizes.tolist(), default=1)  # at least 1: a micro-batch without tokens still reduces over it
+    padded = torch.full((len(sizes), width), -1)
     padded[token, torch.arange(len(ids)) - first] = ids
     return padded
 
@@ -676,7 +680,7 @@ def train_on_rollouts(model, optimizer, samples, cfg, par):
                 ref_logp = torch.cat([s.ref_logprobs for s in batch]).to(device)
             loss, stats = policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp, entropy, is_weights, lengths)
             loss.backward()
-            if cfg.truncated_sampling:  # what renormalising over the kept sets adds to log p, as the metric
+            if cfg.truncated_sampling:  # log p(K), what renormalising over the kept sets takes off log p
                 stats["log_kept_mass"] = log_kept_mass.detach().sum()
             for key, value in {**stats, **mismatch}.items():
                 token_sums[key] += value

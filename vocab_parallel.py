@@ -53,7 +53,11 @@ def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh, kept=Non
     log_z_sampled = log_z  # the normaliser of the distribution sampled from
     if kept is not None:  # a set spans the vocabulary's slices: each rank sums the exp of its own ids
         kept_logits = slice_values(logits, kept, slice_start, -math.inf)
-        log_z_sampled = max_logit + sum_over_tp(torch.exp(kept_logits - max_logit[:, None]).sum(-1), tp_mesh).log()
+        # Shifted by the set's own largest logit: a set far below the vocabulary's (a drifted policy, the reference)
+        # would sum to 0 in fp32 under the vocabulary's.
+        kept_max = DTensor.from_local(kept_logits.detach().amax(-1), tp_mesh, [Partial("max")]).full_tensor()
+        kept_exp = sum_over_tp(torch.exp(kept_logits - kept_max[:, None]).sum(-1), tp_mesh)
+        log_z_sampled = kept_max + kept_exp.log()
     return target_logit - log_z_sampled, entropy, log_z_sampled - log_z
 
 

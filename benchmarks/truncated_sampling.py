@@ -9,8 +9,9 @@ Each setting runs in a process of its own (peak memory is the process's), the sa
 after one untimed. Prints one markdown table: seconds per step and per stage as a ratio to "neither" (measured on
 this machine in this run; the number of tokens differs with what is sampled, so seconds per sampled token too), the
 peak resident memory, what the samples store of the kept sets (ids per sampled token, the largest set, bytes per
-step), the mean log kept mass (log of the probability the truncation keeps, what renormalising adds to log p) and the
-mean |log r| between the trainer's log-probs of the sampled tokens and the engine's (both renormalised when truncated).
+step), the mean log kept mass (log of the probability the truncation keeps, which renormalising subtracts from log p)
+and the mean |log r| between the trainer's log-probs of the sampled tokens and the engine's (both renormalised when
+truncated).
 """
 
 import argparse

@@ -137,6 +137,9 @@ class Engine:
         outputs, with meta_info's per-token kept set (the token, and the id before it) and its log-prob renormalised
         over that set (tests/sglang_sampling_mask.py runs sglang's own code for these)."""
         assert obj.return_sampling_mask and request is None
+        for params in obj.sampling_params:  # as sglang's scheduler: a mask needs a finite top_k, at most 4096
+            if not 1 <= params.get("top_k", -1) <= 4096:
+                raise ValueError(f"return_sampling_mask requires finite 1 < top_k <= 4096; got {params}")
         outputs = self.generate(input_ids=obj.input_ids, sampling_params=obj.sampling_params)
         for out in outputs:
             ids = out["output_ids"]

@@ -100,7 +100,7 @@ class Scheduler:
         while running := [i for i, req in enumerate(reqs) if not req.finished()]:
             batch.reqs = [reqs[i] for i in running]
             step_logits = torch.randn(len(running), VOCAB) * 1.5
-            step_logits[:, STOP] += 8.0 * (step == 2)
+            step_logits[:, STOP] += 15.0 * (step == 2)
             out = LogitsProcessorOutput(next_token_logits=step_logits.clone())  # the sampler works in place
             info = SamplingBatchInfo.from_schedule_batch(batch, VOCAB)
             positions = torch.zeros(len(running), dtype=torch.long)
