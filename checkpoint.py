@@ -8,13 +8,14 @@ A checkpoint is a folder checkpoints/step_N under --out_dir:
     trainer_state.json   the step, the flags, wandb's run id and every file's size (a damaged checkpoint is seen)
 It is written as step_N.tmp and renamed when whole, so a crash or a power cut leaves the old checkpoint or the new.
 
-This is machinery a researcher rarely edits. train.py calls it to load (tokenizer_and_config, weight_files,
+This is machinery a researcher rarely edits. train.py calls it to load (load_tokenizer_and_config, weight_files,
 load_weights), to resume (find_resume, resume) and to save (save).
 """
 
 import dataclasses
 import glob
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -34,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2Tokenizer
+
+import reward
 
 # ----------------------------------------------------------------------------------------------------------------
 # The model: its tokenizer, config and first weights
@@ -100,6 +103,25 @@ def tokenizer_and_config(model, lora_rank=0):
     except (OSError, ValueError) as error:  # a name that is no folder here is looked up on the hub
         first_line = str(error).splitlines()[0]
         raise SystemExit(f"--model {model}: not a model's folder, nor a hub id: {first_line}") from None
+
+
+def load_tokenizer_and_config(cfg, items):
+    """--model's tokenizer and config, checked against the items' prompts: a sample must fit the model's context
+    and a micro-batch."""
+    tokenizer, config = tokenizer_and_config(cfg.model, cfg.lora_rank)
+    longest = max(len(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items)
+    sample_tokens = longest + cfg.max_new_tokens
+    if sample_tokens > config.max_position_embeddings - 6:  # SGLang fails a batch with an input of C - 6
+        raise SystemExit(
+            f"the longest prompt ({longest} tokens) and --max_new_tokens {cfg.max_new_tokens} exceed the context "
+            f"length {config.max_position_embeddings} less 6 (SGLang's margin): lower one of them"
+        )
+    if 0 < cfg.max_tokens_per_microbatch < sample_tokens:  # a sample must fit one micro-batch
+        raise SystemExit(
+            f"--max_tokens_per_microbatch {cfg.max_tokens_per_microbatch} is below the longest sample: {longest} "
+            f"prompt tokens + --max_new_tokens {cfg.max_new_tokens}; raise it or lower those"
+        )
+    return tokenizer, config
 
 
 def tiny_tokenizer_and_config(lora_rank):
@@ -216,6 +238,14 @@ def open_run_dir(cfg, start_step, wandb_id):
                 kept.append(line)
         metrics.write_text("".join(kept))
     return config["run_id"]
+
+
+def append_metrics(out_dir, step, metrics):
+    """On rank 0: the step's metrics as a line of metrics.jsonl, strict JSON (a value that is not finite, such as a
+    skipped step's grad norm, is null)."""
+    finite = {key: value if math.isfinite(value) else None for key, value in metrics.items()}
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, **finite}) + "\n")
 
 
 def check_every_rank_sees(out_dir, run_id, world_group):

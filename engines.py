@@ -15,7 +15,10 @@ import socket
 import torch
 import torch.distributed as dist
 import transformers
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
+
+import lora
 
 
 class Engine:
@@ -293,6 +296,18 @@ def check_pushed_names(model, model_config):
                 f"the trainer pushes {name} as {pushed.get(name)}, the engine's {architecture} has it as "
                 f"{expected.get(name)}: check `architectures` in --model's config.json"
             )
+
+
+def full_weights(model, dtype):
+    """(HF name, full tensor in `dtype`) of each weight the engine holds, one at a time: shards cast, then gathered,
+    LoRA's adapters merged in."""
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            continue
+        weight = param.detach().to(dtype)
+        if isinstance(weight, DTensor):
+            weight = weight.full_tensor()
+        yield name, lora.merge_adapter(model, name, weight)
 
 
 def weight_buckets(weights, bucket_bytes):

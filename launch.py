@@ -81,6 +81,15 @@ def on_first_rank(group, work, *args):
     return box[0]
 
 
+def sum_over_world(values, par):
+    """Each value summed over all ranks in one float64 all-reduce, a TP group counted once (its ranks hold the same
+    samples); the same keys in the same order on every rank."""
+    totals = torch.tensor([float(value) for value in values.values()], dtype=torch.float64)
+    dist.all_reduce(totals, group=par.world_group)
+    totals /= par.mesh["tp"].size()
+    return dict(zip(values, totals.tolist()))
+
+
 @contextlib.contextmanager
 def announce(what, rank):
     """On rank 0: what is being done, then how long it took."""

@@ -36,7 +36,8 @@ class PromptDataset:
         self.boxed_prompt = TOOL_PROMPT if cfg.tool else BOXED_PROMPT
         self.rows = load_rows(cfg.task, split, cfg.data_path, cfg.train_size, cfg.test_size, cfg.seed)
         least = cfg.prompts_per_step if split == "train" else 1  # a step's prompts; an evaluation's
-        check_items(self, split, least, warn=os.environ.get("RANK", "0") == "0", tool=cfg.tool)
+        # The names of reward_fn's terms, when it returns a dict of them (README: reward terms).
+        self.reward_terms = check_items(self, split, least, warn=os.environ.get("RANK", "0") == "0", tool=cfg.tool)
 
     def __len__(self):
         return len(self.rows)
@@ -343,12 +344,13 @@ def load_rows(task: str, split: str, data_path: str, train_size: int, test_size:
         ) from None
 
 
-def check_items(dataset, split: str, least: int = 1, warn: bool = True, tried: int = 64, tool: str = "") -> None:
+def check_items(dataset, split: str, least: int = 1, warn: bool = True, tried: int = 64, tool: str = "") -> tuple:
     """Before any model is loaded, the items of `dataset` (a PromptDataset, or a list): stop with one line when
     a row cannot be made an item, there are fewer than `least` items, they lack a field the prompt or reward_fn reads,
-    reward_fn raises on each of the first `tried`, or (with `tool`) the prompts never offer the tool; with `warn`,
-    print how many items have a reference answer that does not parse (their "answer" is None: every reward on them
-    is 0)."""
+    reward_fn raises on each of the first `tried`, returns a number for some and a dict for others, or (with `tool`)
+    the prompts never offer the tool; with `warn`, print how many items have a reference answer that does not parse
+    (their "answer" is None: every reward on them is 0). Returns the names of the terms that reward_fn returns on
+    the first `tried` items, in the order they first come: () when it returns a number."""
     items = []
     for i in range(len(dataset)):
         try:
@@ -365,10 +367,11 @@ def check_items(dataset, split: str, least: int = 1, warn: bool = True, tried: i
             "check --task, --data_path, --train_size, --test_size (or --eval_every 0)"
         )
     errors = []
+    returned = []
     for item in items[:tried]:
         try:
             _ = item["prompt"]
-            reward_fn("", item)
+            returned.append(reward_fn("", item))
         except KeyError as missing:
             raise SystemExit(
                 f"{split} items lack the field {missing} that the prompt or reward_fn reads: "
@@ -386,6 +389,15 @@ def check_items(dataset, split: str, least: int = 1, warn: bool = True, tried: i
             f"--tool {tool}: the {split} prompts do not offer the tool (no ```python in them): use a task "
             "whose prompts do (gsm8k, math, addition) or add the offer to yours (docs/python-tool.md)"
         )
+    terms = [name for value in returned if isinstance(value, dict) for name in value]
+    if terms and any(isinstance(value, (int, float)) for value in returned):
+        raise SystemExit(
+            f"reward_fn returns a dict of terms ({terms[0]!r}, ...) for some {split} items and a number for others: "
+            "return one kind (README: reward terms)"
+        )
+    unnamed = [name for name in terms if not isinstance(name, str)]
+    if unnamed:
+        raise SystemExit(f"reward_fn returns a term named {unnamed[0]!r}: name each term with a string")
     bad = [i for i, item in enumerate(items) if "answer" in item and item["answer"] is None]
     if bad and warn:
         print(
@@ -393,6 +405,7 @@ def check_items(dataset, split: str, least: int = 1, warn: bool = True, tried: i
             f"every reward on them is 0; the first is item {bad[0]}",
             flush=True,
         )
+    return tuple(dict.fromkeys(terms))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -347,10 +347,14 @@ def _clean_up(folder: str, uid: int, namespaces: list[str], cgroup: str) -> None
 # the workers: reward_fn and run_python on model output, in forked processes, each call with a deadline
 
 
-def _reward_or_error(reward_fn, completion: str, item: dict, timeout: float) -> tuple[float, str | None]:
+def _reward_or_error(
+    reward_fn, completion: str, item: dict, timeout: float, terms: tuple = ()
+) -> tuple[float | dict, str | None]:
     """In a worker: (score, None), or (0.0, why) when reward_fn raises, runs past `timeout` seconds, or returns
-    anything but a finite number (a NaN reward would stop all learning). reward_fn arrives pickled, by reference: a
-    module-level function, found by name in the worker, which holds the trainer's modules as they were at its fork."""
+    anything but a finite number (a NaN reward would stop all learning). With `terms`, the names of the terms that
+    reward_fn returns in a dict: ({name: value}, None), each term that is missing or not a finite number 0 and said
+    why, as a term no item has. reward_fn arrives pickled, by reference: a module-level function, found by name in
+    the worker, which holds the trainer's modules as they were at its fork."""
 
     def raise_timeout(signum, frame):
         raise TimeoutError("reward_fn ran past --reward_timeout")
@@ -360,12 +364,44 @@ def _reward_or_error(reward_fn, completion: str, item: dict, timeout: float) -> 
     try:
         value = reward_fn(completion, item)
     except Exception:
-        return 0.0, traceback.format_exc()
+        return _failed(terms), traceback.format_exc()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if terms:
+        return _terms_or_error(value, terms)
+    if not _is_finite_number(value):
         return 0.0, f"reward_fn returned {repr(value)[:200]}, not a finite number"
     return float(value), None
+
+
+def _is_finite_number(value) -> bool:
+    return isinstance(value, numbers.Real) and math.isfinite(value)
+
+
+def _failed(terms: tuple) -> float | dict:
+    """What a failed reward_fn call scores: 0, or 0 for each of its terms."""
+    return dict.fromkeys(terms, 0.0) if terms else 0.0
+
+
+def _terms_or_error(value, terms: tuple) -> tuple[dict, str | None]:
+    """reward_fn's dict of terms, each of `terms` a float: a missing or bad one 0, and why (None if none was)."""
+    if not isinstance(value, dict):
+        return _failed(terms), f"reward_fn returned {repr(value)[:200]}, not a dict of its terms {list(terms)}"
+    scored = {}
+    wrong = []
+    for name in terms:
+        term = value.get(name)
+        scored[name] = float(term) if _is_finite_number(term) else 0.0
+        if name not in value:
+            wrong.append(f"no term {name!r}")
+        elif not _is_finite_number(term):
+            wrong.append(f"term {name!r} is {repr(term)[:100]}, not a finite number")
+    unknown = [repr(name)[:100] for name in value if name not in terms]
+    if unknown:
+        wrong.append(f"terms {', '.join(unknown)} that no item returned at start (left out)")
+    if wrong:
+        return scored, f"reward_fn returned {'; '.join(wrong)}: those terms score 0"
+    return scored, None
 
 
 def _send(connection: socket.socket, data: bytes, deadline: float | None = None) -> None:
@@ -447,14 +483,15 @@ class RewardWorkers:
         self.workers[w] = self._start()
         return process.exitcode
 
-    def score(self, completions: list[str], items: list[dict]) -> tuple[list[float], list[str]]:
-        """reward_fn of each completion with its item; why the failed calls (scored 0) failed."""
+    def score(self, completions: list[str], items: list[dict], terms: tuple = ()) -> tuple[list, list[str]]:
+        """reward_fn of each completion with its item, a float each; with `terms`, the names of the terms that
+        reward_fn returns, a dict of them each. Why the failed calls (scored 0) and terms (0) failed."""
         calls = []
         for completion, item in zip(completions, items):
-            calls.append((_reward_or_error, (self.reward_fn, completion, item, self.timeout)))
+            calls.append((_reward_or_error, (self.reward_fn, completion, item, self.timeout, tuple(terms))))
         results, failed = self._run(calls, self.timeout + 1.0, "reward_fn")
         for i, why in failed.items():
-            results[i] = (0.0, f"{why}: scored 0, and the worker replaced")
+            results[i] = (_failed(tuple(terms)), f"{why}: scored 0, and the worker replaced")
         errors = [error for _, error in results if error]
         if errors and self.show_first_error:
             print(f"reward_fn failed; it scores 0, counted as reward_errors (shown once):\n{errors[0]}", flush=True)

@@ -13,37 +13,42 @@ into them), checkpoint.py (weights in and out of files), sandbox.py (reward_fn a
 processes) and launch.py (the processes under torchrun).
 """
 
-import argparse
 import datetime
-import difflib
 import functools
-import json
 import math
 import os
+import string
 import textwrap
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
-from transformers import AutoModelForCausalLM, HfArgumentParser
+from transformers import AutoModelForCausalLM
 
 import checkpoint
 import engines
+import flags
 import launch
 import lora
 import reward
 import sandbox
 import vocab_parallel
+from flags import Above, AtLeast
 from reward import PromptDataset
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config
+
+# A numeric flag's bound rides on its type: a value below it, NaN or inf is refused at start (flags.check_bounds).
+Count = Annotated[int, AtLeast(1)]  # a number of things, or a size
+Natural = Annotated[int, AtLeast(0)]  # 0 turns it off, or means never
+NonNegative = Annotated[float, AtLeast(0)]
+Positive = Annotated[float, Above(0)]
 
 
 @dataclass
@@ -58,60 +63,60 @@ class Config:
     engine: Literal["sglang", "hf"] = "sglang" if torch.cuda.is_available() else "hf"  # hf: HF generate (CPU)
     mem_fraction: float = 0.5  # sglang: fraction of the GPU's free memory at start for its weights and KV cache
     engine_port: int = 0  # sglang: 0: each engine takes a free port; > 0: engine_port + its first rank's local rank
-    bucket_mb: int = 512  # weight push: MB of full bf16 tensors gathered and sent at a time
-    prompts_per_step: int = 32  # prompts per optimizer step, over all ranks
-    group_size: int = 8  # G: samples per prompt
-    max_new_tokens: int = 1024  # response length limit
-    temperature: float = 1.0
+    bucket_mb: Count = 512  # weight push: MB of full bf16 tensors gathered and sent at a time
+    prompts_per_step: Count = 32  # prompts per optimizer step, over all ranks
+    group_size: Annotated[int, AtLeast(2)] = 8  # G: samples per prompt
+    max_new_tokens: Count = 1024  # response length limit
+    temperature: NonNegative = 1.0
     top_p: float = 1.0  # < 1: nucleus sampling, trained as sampled (docs/losses.md: truncated sampling); eval too
-    top_k: int = 0  # > 0: only the k likeliest tokens are sampled (at most 512); 0: off
-    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low (docs/losses.md: GRPO, Dr. GRPO, DAPO)
-    clip_high: float = 0.28  # and above at 1 + clip_high (clip-higher, DAPO)
+    top_k: Natural = 0  # > 0: only the k likeliest tokens are sampled (at most 512); 0: off
+    clip_low: NonNegative = 0.2  # ratio clipped below at 1 - clip_low (docs/losses.md: GRPO, Dr. GRPO, DAPO)
+    clip_high: NonNegative = 0.28  # and above at 1 + clip_high (clip-higher, DAPO)
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's one ratio per response (docs/losses.md)
     objective: Literal["clip", "cispo", "dppo_tv", "dppo_kl"] = "clip"  # docs/losses.md: CISPO, DPPO
-    dppo_tv_delta: float = 0.15  # dppo_tv: a token's probability may move this far from the old policy's
-    dppo_kl_delta: float = 0.05  # dppo_kl: its binary KL (sampled token vs the rest) to the old policy this far
+    dppo_tv_delta: NonNegative = 0.15  # dppo_tv: a token's probability may move this far from the old policy's
+    dppo_kl_delta: NonNegative = 0.05  # dppo_kl: its binary KL (sampled token vs the rest) to the old policy this far
     loss_agg: Literal["token", "sequence", "constant"] = "token"  # DAPO's token mean | GRPO's | Dr. GRPO's constant
     scale_std: bool = True  # divide advantages by a std of the rewards (False: Dr. GRPO)
     std_of: Literal["group", "batch"] = "group"  # that std: each group's (GRPO), or the whole batch's (Lite PPO)
-    beta: float = 0.0  # weight of the KL to the initial policy; 0 builds no reference model
+    beta: NonNegative = 0.0  # weight of the KL to the initial policy; 0 builds no reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # Schulman's estimators of KL(policy || reference) per token
     kl_in_reward: bool = False  # subtract beta x the sequence's summed KL from its reward instead of adding a loss
-    entropy_coef: float = 0.0  # entropy bonus
-    overlong_buffer: int = 0  # > 0: DAPO's soft overlong penalty, 0 down to -1 over the last N tokens of the limit
-    dynamic_sampling_rounds: int = 0  # > 0: DAPO's dynamic sampling, refilling dropped groups in up to N more rounds
-    tis_cap: float = 0.0  # > 0: importance sampling against the engine / trainer mismatch, r = p_old / p_engine
+    entropy_coef: NonNegative = 0.0  # entropy bonus
+    overlong_buffer: Natural = 0  # > 0: DAPO's soft overlong penalty, 0 down to -1 over the last N tokens of the limit
+    dynamic_sampling_rounds: Natural = 0  # > 0: DAPO's dynamic sampling, dropped groups refilled in up to N more rounds
+    tis_cap: NonNegative = 0.0  # > 0: importance sampling against the engine / trainer mismatch, r = p_old / p_engine
     is_mode: Literal["truncate", "mask"] = "truncate"  # with --tis_cap: weight min(r, cap), or r masked to [1/cap, cap]
     is_level: Literal["token", "sequence"] = "token"  # with --tis_cap: r per token, or its response's geometric mean
-    logprob_chunk: int = 1024  # response tokens per chunk of fp32 full-vocabulary logits
-    steps: int = 200
-    lr: float = 1e-6
+    logprob_chunk: Count = 1024  # response tokens per chunk of fp32 full-vocabulary logits
+    steps: Count = 200
+    lr: NonNegative = 1e-6
     lr_schedule: Literal["constant", "cosine"] = "constant"  # cosine: down to 10% of lr at the last step
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    num_minibatches: int = 1  # optimizer steps per rollout batch
-    micro_batch_size: int = 8  # sequences per forward / backward on each rank
-    max_tokens_per_microbatch: int = 0  # > 0: length-sorted micro-batches of at most this many tokens, padding included
-    tp: int = 1  # tensor-parallel size; dp = world size / tp
+    warmup_steps: Natural = 10
+    weight_decay: NonNegative = 0.0
+    max_grad_norm: NonNegative = 1.0
+    num_minibatches: Count = 1  # optimizer steps per rollout batch
+    micro_batch_size: Count = 8  # sequences per forward / backward on each rank
+    max_tokens_per_microbatch: Natural = 0  # > 0: length-sorted micro-batches of at most this many padded tokens
+    tp: Count = 1  # tensor-parallel size; dp = world size / tp
     activation_checkpointing: bool = False
-    lora_rank: int = 0  # > 0: LoRA of this rank on every linear layer of the blocks, the rest frozen (docs/lora.md)
-    lora_alpha: float = 32.0  # LoRA's update is scaled by alpha / rank (32: as "LoRA Without Regret")
-    eval_every: int = 50  # evaluate on the held-out split every N steps and at the end; 0: never
-    eval_prompts: int = 256  # held-out prompts per evaluation
-    eval_k: int = 4  # samples per prompt for mean@k and pass@k
-    eval_temperature: float = 1.0
-    save_every: int = 50  # checkpoint every N steps; always at the end and when stopped by a signal
-    keep_checkpoints: int = 2  # the newest K complete checkpoints are kept
+    lora_rank: Natural = 0  # > 0: LoRA of this rank on every linear layer of the blocks, the rest frozen (docs/lora.md)
+    lora_alpha: Positive = 32.0  # LoRA's update is scaled by alpha / rank (32: as "LoRA Without Regret")
+    eval_every: Natural = 50  # evaluate on the held-out split every N steps and at the end; 0: never
+    eval_prompts: Count = 256  # held-out prompts per evaluation
+    eval_k: Count = 4  # samples per prompt for mean@k and pass@k
+    eval_temperature: NonNegative = 1.0
+    save_every: Natural = 50  # checkpoint every N steps; always at the end and when stopped by a signal
+    keep_checkpoints: Count = 2  # the newest K complete checkpoints are kept
     resume: str = ""  # a checkpoint folder, or "auto": the newest complete one under out_dir (if any)
-    reward_workers: int = 4  # processes computing rewards in parallel
-    reward_timeout: float = 5.0  # seconds before a reward_fn call is cut off; it scores 0
+    reward_workers: Count = 4  # processes computing rewards in parallel
+    reward_timeout: Positive = 5.0  # seconds before a reward_fn call is cut off; it scores 0
     seed: int = 0
     out_dir: str = "runs/grpo"  # config.json, metrics.jsonl, checkpoints/ (README: where the outputs are)
     wandb_project: str = ""  # log to wandb too when set (WANDB_MODE=offline needs no network)
-    sample_every: int = 10  # print a sampled prompt, completion and reward every N steps; 0: never
+    sample_every: Natural = 10  # print a sampled prompt, completion and reward every N steps; 0: never
     tool: Literal["", "python"] = ""  # python: responses may run ```python blocks (docs/python-tool.md)
-    max_turns: int = 4  # with --tool: generation turns per response, each but the last may end in a block that is run
+    max_turns: Count = 4  # with --tool: generation turns per response, each but the last may end in a block that is run
 
     @property
     def truncated_sampling(self):
@@ -124,45 +129,14 @@ CPU_PRESET = dict(model="tiny", task="toy", engine="hf", out_dir="runs/cpu", tra
 CPU_PRESET.update(steps=30, prompts_per_step=8, group_size=8, max_new_tokens=16, micro_batch_size=32, lr=1e-2)
 CPU_PRESET.update(warmup_steps=0, eval_every=10, eval_prompts=16, save_every=0, reward_workers=2)
 PRESETS = {"cpu": CPU_PRESET}
-# The least value of each numeric flag: one below it, NaN or inf is refused at start.
-AT_LEAST_ONE = (
-    "tp prompts_per_step num_minibatches micro_batch_size max_new_tokens eval_k logprob_chunk reward_workers steps "
-    "keep_checkpoints max_turns eval_prompts bucket_mb"
-)
-AT_LEAST_ZERO = (
-    "beta entropy_coef tis_cap overlong_buffer dynamic_sampling_rounds max_tokens_per_microbatch eval_every "
-    "save_every lr sample_every temperature eval_temperature clip_low clip_high weight_decay max_grad_norm lora_rank "
-    "dppo_tv_delta dppo_kl_delta top_k"
-)
-MINIMUM = {**dict.fromkeys(AT_LEAST_ONE.split(), 1), **dict.fromkeys(AT_LEAST_ZERO.split(), 0)}
-MINIMUM.update(group_size=2, reward_timeout=0.001)
 # Truncated sampling keeps at most this many tokens per sampled token (--top_k's bound, and with --top_p alone its
 # value): the trainer stores each kept set (as prime-rl, whose default it is), and SGLang reports them up to a bound.
 MAX_KEPT = 512
 
 
-def parse_config(argv=None):
-    """Config from the command line, a --preset's values under the flags given. A flag that cannot be read is one
-    line (main() calls this on rank 0 alone, so it is said once); a mistyped flag names the nearest one."""
-    parser = HfArgumentParser(Config, allow_abbrev=False, exit_on_error=False)
-    try:
-        flags, unknown = parser.parse_known_args(argv)
-    except argparse.ArgumentError as error:  # a value of the wrong type, a choice outside its list
-        raise SystemExit(f"{error} (python train.py --help lists the flags)") from None
-    if unknown:
-        nearest = difflib.get_close_matches(unknown[0].split("=")[0], [f"--{name}" for name in vars(flags)], n=1)
-        hint = f": did you mean {nearest[0]}?" if nearest else ""
-        raise SystemExit(f"unknown flag {unknown[0]}{hint} (python train.py --help lists the flags)")
-    parser.set_defaults(**PRESETS.get(flags.preset, {}))
-    return Config(**vars(parser.parse_args(argv)))
-
-
 def check_config(cfg, world):
     """cfg, once its flags pass every check; each check names the flag to change, one bad flag at a time."""
-    for flag, least in MINIMUM.items():
-        value = getattr(cfg, flag)
-        if not least <= value < math.inf:  # NaN fails too
-            raise SystemExit(f"--{flag} must be a number from {least} up, not {value}")
+    flags.check_bounds(cfg)
     dp = max(world // cfg.tp, 1)
     per_rank = cfg.prompts_per_step // dp
     is_level_or_mode_set = (cfg.is_mode, cfg.is_level) != ("truncate", "token")
@@ -178,7 +152,6 @@ def check_config(cfg, world):
         (cfg.temperature == 0, "--temperature must be above 0: greedy samples are all alike, nothing to learn"),
         (not 0 < cfg.top_p <= 1, f"--top_p must be above 0 and at most 1, not {cfg.top_p}"),
         (cfg.top_k > MAX_KEPT, f"--top_k {cfg.top_k} keeps more than the {MAX_KEPT} tokens stored per sampled token"),
-        (not 0 < cfg.lora_alpha < math.inf, f"--lora_alpha must be above 0, not {cfg.lora_alpha}"),
         (not 0 < cfg.mem_fraction < 1, f"--mem_fraction is a share: above 0, below 1, not {cfg.mem_fraction}"),
         (os.path.realpath(cfg.out_dir) == os.path.realpath(cfg.model), "--out_dir must differ from --model"),
         (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
@@ -196,25 +169,6 @@ def check_config(cfg, world):
             raise SystemExit(message)
     engines.check_engine_flags(cfg)
     return cfg
-
-
-def load_tokenizer_and_config(cfg, items):
-    """--model's tokenizer and config, checked against the items' prompts: a sample must fit the model's context
-    and a micro-batch."""
-    tokenizer, config = checkpoint.tokenizer_and_config(cfg.model, cfg.lora_rank)
-    longest = max(len(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items)
-    sample_tokens = longest + cfg.max_new_tokens
-    if sample_tokens > config.max_position_embeddings - 6:  # SGLang fails a batch with an input of C - 6
-        raise SystemExit(
-            f"the longest prompt ({longest} tokens) and --max_new_tokens {cfg.max_new_tokens} exceed the context "
-            f"length {config.max_position_embeddings} less 6 (SGLang's margin): lower one of them"
-        )
-    if 0 < cfg.max_tokens_per_microbatch < sample_tokens:  # a sample must fit one micro-batch
-        raise SystemExit(
-            f"--max_tokens_per_microbatch {cfg.max_tokens_per_microbatch} is below the longest sample: {longest} "
-            f"prompt tokens + --max_new_tokens {cfg.max_new_tokens}; raise it or lower those"
-        )
-    return tokenizer, config
 
 
 def step_items(dataset, step, cfg, dp_rank, dp, sampling_round=0):
@@ -306,22 +260,6 @@ def build_model(model_config, mesh, device, activation_checkpointing=False, lora
     with torch.device(device):  # rotary frequencies are a non-persistent buffer: rebuild it off the meta device
         model.model.rotary_emb = type(model.model.rotary_emb)(model_config)
     return model
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The weights the engine gets: the policy's, gathered, LoRA merged (engines.push_weights sends them in buckets)
-
-
-def full_weights(model, dtype):
-    """(HF name, full tensor in `dtype`) of each weight the engine holds, one at a time: shards cast, then gathered,
-    LoRA's adapters merged in."""
-    for name, param in model.named_parameters():
-        if ".lora_" in name:
-            continue
-        weight = param.detach().to(dtype)
-        if isinstance(weight, DTensor):
-            weight = weight.full_tensor()
-        yield name, lora.merge_adapter(model, name, weight)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -482,39 +420,11 @@ def response_logprobs(model, samples, cfg, tp_mesh):
     sampled = torch.tensor([m for s in samples for m in s.sampled], dtype=torch.bool, device=device)  # not tool output
     hidden = torch.cat(positions)[sampled]
     targets = torch.tensor([t for s in samples for t in s.response_ids], dtype=torch.long, device=device)[sampled]
-    # lm_head, a root parameter, stays unsharded until backward; as DTensors, backward gathers its grad, sums hidden's.
-    weight = DTensor.from_local(model.lm_head.weight, tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(0)])
-    hidden = DTensor.from_local(hidden, tp_mesh, [Replicate()])
-    compute = vocab_parallel.logprobs_and_entropy
-    if torch.is_grad_enabled():
-        # Recomputed in backward: one chunk's fp32 logits [chunk, V / tp] are alive at a time.
-        compute = functools.partial(
-            torch.utils.checkpoint.checkpoint, vocab_parallel.logprobs_and_entropy, use_reentrant=False
-        )
     kept = None
     if cfg.truncated_sampling:
-        kept = kept_sets(samples).to(device)
-    results = []
-    for i in range(0, max(len(targets), 1), cfg.logprob_chunk):  # one, empty, where no token was sampled
-        end = i + cfg.logprob_chunk
-        chunk_kept = None if kept is None else kept[i:end]
-        results.append(compute(hidden[i:end], weight, targets[i:end], cfg.temperature, tp_mesh, chunk_kept))
-    return [torch.cat(values) for values in zip(*results)]
-
-
-def kept_sets(samples):
-    """The samples' kept sets as [sampled tokens, the largest set] of ids, -1 beyond a token's set."""
-    sizes = torch.cat([s.kept_sizes for s in samples]).long()
-    ids = torch.cat([s.kept_ids for s in samples]).long()
-    sampled = sum(s.num_sampled for s in samples)
-    if len(sizes) != sampled:  # an engine that breaks Engine.generate's contract
-        raise RuntimeError(f"the engine reported {len(sizes)} kept sets for {sampled} sampled tokens")
-    token = torch.arange(len(sizes)).repeat_interleave(sizes)  # the token each id is kept for
-    first = (sizes.cumsum(0) - sizes).repeat_interleave(sizes)  # where that token's set starts in `ids`
-    width = max(sizes.tolist(), default=1)  # at least 1: a micro-batch without tokens still reduces over it
-    padded = torch.full((len(sizes), width), -1)
-    padded[token, torch.arange(len(ids)) - first] = ids
-    return padded
+        kept = vocab_parallel.kept_sets(samples).to(device)
+    weight = model.lm_head.weight
+    return vocab_parallel.chunked_logprobs(hidden, weight, targets, kept, cfg.temperature, cfg.logprob_chunk, tp_mesh)
 
 
 @torch.no_grad()
@@ -720,15 +630,6 @@ def lr_factor(step, cfg):
 # Metrics, logging and evaluation
 
 
-def sum_over_world(values, par):
-    """Each value summed over all ranks in one float64 all-reduce, a TP group counted once (its ranks hold the same
-    samples); the same keys in the same order on every rank."""
-    totals = torch.tensor([float(value) for value in values.values()], dtype=torch.float64)
-    dist.all_reduce(totals, group=par.world_group)
-    totals /= par.mesh["tp"].size()
-    return dict(zip(values, totals.tolist()))
-
-
 def step_metrics(samples, token_sums, maxima, errors, dropped, cfg, par):
     """The step's metrics over all ranks: sums per sampled token, means per sample, counts, and maxima."""
     lengths = [s.num_sampled for s in samples]  # tool output is not counted
@@ -753,7 +654,7 @@ def step_metrics(samples, token_sums, maxima, errors, dropped, cfg, par):
         tool_calls=len(failures),
         tool_use=sum(bool(s.tool_outputs) for s in samples),
     )
-    totals = sum_over_world({**token_sums, **sample_sums, **counts}, par)
+    totals = launch.sum_over_world({**token_sums, **sample_sums, **counts}, par)
     metrics = {key: totals[key] / max(totals["tokens"], 1) for key in token_sums}
     metrics |= {key: totals[key] / totals["samples"] for key in sample_sums}
     metrics |= {key: totals[key] for key in counts}
@@ -773,28 +674,56 @@ NO_SIGNAL = (
 )
 
 
+# The console line of a step: a part a metric, each a format of metrics.jsonl's keys, "| " starting a group. A part
+# whose keys the step lacks is left out; a metric a fork adds to the console is one more part here.
+STEP_LINE = [
+    "step {step}/{steps}",
+    "| reward {reward:.3f}",
+    "acc {accuracy:.2f}",
+    "[{reward_terms}]",  # with several reward terms: each one's mean
+    "| len {response_len:.0f}",
+    "cut {truncated:.2f}",  # the share of responses that --max_new_tokens cut off
+    "| ent {entropy:.2f}",
+    "kl {kl:.4f}",  # with --beta
+    "lr {lr:.0e}",
+    "| {time_step:.1f}s (gen {time_rollout:.1f} train {time_train:.1f} push {time_push:.1f})",
+    "eta {eta}",
+    "| tool {tool_calls:.1f}/sample",  # with --tool
+    "| reward_errors {reward_errors:.0f}",  # when there are some
+    "| skipped_steps {skipped_steps:.0f}",  # when there are some
+]
+
+
+def step_line(step, metrics, cfg):
+    """The console line of STEP_LINE's parts, from the step's metrics."""
+    shown = dict(metrics, step=step + 1, steps=cfg.steps, eta=datetime.timedelta(seconds=round(metrics["eta_s"])))
+    terms = []
+    for key, value in metrics.items():
+        if key.startswith("reward/") and not key.endswith("/std"):
+            terms.append(f"{key[7:]} {value:.2f}")
+    if len(terms) > 1:
+        shown["reward_terms"] = " ".join(terms)
+    hidden = [key for key in ("reward_errors", "skipped_steps") if not metrics[key]]
+    if cfg.beta == 0:
+        hidden.append("kl")  # only where --beta gives it a meaning
+    if not cfg.tool:
+        hidden.append("tool_calls")
+    parts = []
+    for part in STEP_LINE:
+        keys = [key for _, key, _, _ in string.Formatter().parse(part) if key]
+        if all(key in shown and key not in hidden for key in keys):
+            parts.append(part.format(**shown))
+    return " ".join(parts)
+
+
 def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
-    """A console line, a metrics.jsonl line and wandb; a sample at the first step and every --sample_every."""
-    eta = datetime.timedelta(seconds=round(metrics["eta_s"]))
-    # cut: the share of responses that --max_new_tokens cut off. kl only where --beta gives it a meaning.
-    kl_shown = f" kl {metrics['kl']:.4f}" if cfg.beta > 0 else ""
-    line = (
-        "step {step}/{steps} | reward {reward:.3f} acc {accuracy:.2f} | len {response_len:.0f} cut {truncated:.2f}"
-        " | ent {entropy:.2f}{kl_shown} lr {lr:.0e} | {time_step:.1f}s (gen {time_rollout:.1f} train {time_train:.1f}"
-        " push {time_push:.1f}) eta {eta}"
-    ).format(step=step + 1, steps=cfg.steps, eta=eta, kl_shown=kl_shown, **metrics)
-    if cfg.tool:
-        line += f" | tool {metrics['tool_calls']:.1f}/sample"
-    for key in ("reward_errors", "skipped_steps"):
-        if metrics[key]:
-            line += f" | {key} {metrics[key]:.0f}"
+    """The console line, a metrics.jsonl line and wandb; a sample at the first step and every --sample_every."""
+    line = step_line(step, metrics, cfg)
     evals = [f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_") and k != "eval_prompts"]
     if evals:
         line += f"\n  eval ({metrics['eval_prompts']:.0f} prompts): " + " | ".join(evals)
     print(line, flush=True)
-    finite = {k: v if math.isfinite(v) else None for k, v in metrics.items()}  # strict JSON: a NaN norm is null
-    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step + 1, **finite}) + "\n")
+    checkpoint.append_metrics(cfg.out_dir, step + 1, metrics)
     if cfg.sample_every > 0 and (step == 0 or (step + 1) % cfg.sample_every == 0):
         text = tokenizer.decode(sample.prompt_ids) + tokenizer.decode(sample.response_ids)  # wandb keeps the console
         print(f"  sample (reward {sample.reward:.3f}):\n{text}", flush=True)
@@ -819,7 +748,7 @@ def evaluate(engine, tokenizer, test_set, workers, cfg, par):
     sums = dict(
         greedy=greedy.sum(), mean_at_k=sampled.float().mean(1).sum(), pass_at_k=sampled.any(1).sum(), n=len(items)
     )
-    totals = sum_over_world(sums, par)
+    totals = launch.sum_over_world(sums, par)
     n = totals["n"]  # at least 1: --eval_prompts >= 1
     return {
         "eval_greedy_acc": totals["greedy"] / n,
@@ -837,12 +766,14 @@ def main():
     started = time.perf_counter()
     rank, world, device = launch.init_distributed()
     # The flags, read and checked on rank 0 while the others wait: a bad one is said once, before any model loads.
-    cfg = launch.on_first_rank(dist.new_group(backend="gloo"), lambda: check_config(parse_config(), world))
+    cfg = launch.on_first_rank(
+        dist.new_group(backend="gloo"), lambda: check_config(flags.parse(Config, PRESETS), world)
+    )
     par = launch.parallel_groups(device.type, cfg.tp)
     launch.on_first_rank(par.world_group, checkpoint.check_sources, cfg)  # --model, --data_path: there to read?
     train_set = PromptDataset(cfg, "train")
     test_set = PromptDataset(cfg, "test") if cfg.eval_every > 0 else None  # no evaluation needs no test split
-    tokenizer, model_config = load_tokenizer_and_config(cfg, [*train_set, *(test_set or [])])
+    tokenizer, model_config = checkpoint.load_tokenizer_and_config(cfg, [*train_set, *(test_set or [])])
     files = [None]  # --model tiny: random weights
     if cfg.model != "tiny":
         files = launch.on_first_rank(par.world_group, checkpoint.weight_files, cfg.model)
@@ -884,7 +815,7 @@ def main():
     stop = launch.stop_on_signal(rank)
     try:
         engine.release_memory()  # the first push, as every other, finds the engine's memory released
-        engines.push_weights(full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
+        engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
         run_start = time.perf_counter()
         said_no_signal = False
         for step in range(start_step, cfg.steps):
@@ -912,7 +843,7 @@ def main():
             token_sums, maxima = train_on_rollouts(model, optimizer, samples, cfg, par)
             train_done = time.perf_counter()
             # The new weights into the engine.
-            engines.push_weights(full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
+            engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
             end = time.perf_counter()
             # Log, evaluate, save.
             metrics = step_metrics(samples, token_sums, maxima, errors, dropped, cfg, par)
@@ -933,7 +864,7 @@ def main():
                 print(textwrap.fill(note, 120, subsequent_indent="  "), flush=True)
             if stopping or last or (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0):
                 with launch.announce(f"saving the checkpoint of step {step + 1}", rank):
-                    weights = full_weights(model, torch.float32)
+                    weights = engines.full_weights(model, torch.float32)
                     path = checkpoint.save(
                         cfg, step + 1, model, optimizer, tokenizer, weights, wandb_id, par.world_group
                     )

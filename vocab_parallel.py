@@ -4,12 +4,16 @@ Each rank holds V / tp rows of the LM head and computes its slice of the logits 
 maximum and sums are all-reduced over tp, so the full [tokens, V] logits never exist on one rank. Backward sums the
 hidden states' gradient over tp, each rank adding its slice's part. With truncated sampling (--top_p, --top_k), the
 sampled token's log-prob is renormalised over the ids it was sampled from, wherever they fall in the vocabulary.
+
+train.py calls chunked_logprobs with the final hidden states of the sampled tokens, and kept_sets for the ids each
+token was sampled from.
 """
 
+import functools
 import math
 
 import torch
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
 class FP32Logits(torch.autograd.Function):
@@ -66,3 +70,38 @@ def slice_values(logits, ids, slice_start, outside=0.0):
     in_slice = (ids >= slice_start) & (ids < slice_start + logits.shape[1])
     values = logits.gather(-1, (ids - slice_start).clamp(0, logits.shape[1] - 1))
     return values.masked_fill(~in_slice, outside)
+
+
+def chunked_logprobs(hidden, lm_head_weight, targets, kept, temperature, chunk, tp_mesh):
+    """Log-probs, entropies and log kept masses [N] of `targets` from the final hidden states [N, H], the same on
+    every tp rank, and the whole lm_head weight [V, H]; `chunk` tokens at a time. `kept`: the kept sets [N, K] of
+    kept_sets, or None without truncated sampling."""
+    # lm_head, a root parameter, stays unsharded until backward; as DTensors, backward gathers its grad, sums hidden's.
+    weight = DTensor.from_local(lm_head_weight, tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(0)])
+    hidden = DTensor.from_local(hidden, tp_mesh, [Replicate()])
+    compute = logprobs_and_entropy
+    if torch.is_grad_enabled():
+        # Recomputed in backward: one chunk's fp32 logits [chunk, V / tp] are alive at a time.
+        compute = functools.partial(torch.utils.checkpoint.checkpoint, logprobs_and_entropy, use_reentrant=False)
+    results = []
+    for i in range(0, max(len(targets), 1), chunk):  # one, empty, where no token was sampled
+        end = i + chunk
+        chunk_kept = None if kept is None else kept[i:end]
+        results.append(compute(hidden[i:end], weight, targets[i:end], temperature, tp_mesh, chunk_kept))
+    return [torch.cat(values) for values in zip(*results)]
+
+
+def kept_sets(samples):
+    """The samples' kept sets (train.Sample's kept_ids, one set after another, and kept_sizes) as [sampled tokens,
+    the largest set] of ids, -1 beyond a token's set."""
+    sizes = torch.cat([s.kept_sizes for s in samples]).long()
+    ids = torch.cat([s.kept_ids for s in samples]).long()
+    sampled = sum(s.num_sampled for s in samples)
+    if len(sizes) != sampled:  # an engine that breaks Engine.generate's contract
+        raise RuntimeError(f"the engine reported {len(sizes)} kept sets for {sampled} sampled tokens")
+    token = torch.arange(len(sizes)).repeat_interleave(sizes)  # the token each id is kept for
+    first = (sizes.cumsum(0) - sizes).repeat_interleave(sizes)  # where that token's set starts in `ids`
+    width = max(sizes.tolist(), default=1)  # at least 1: a micro-batch without tokens still reduces over it
+    padded = torch.full((len(sizes), width), -1)
+    padded[token, torch.arange(len(ids)) - first] = ids
+    return padded

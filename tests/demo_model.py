@@ -1,15 +1,17 @@
 """`--model tiny`, the CPU demo's model, for tests that build it directly: its character tokenizer and random Qwen2
-config come from checkpoint.tiny_tokenizer_and_config, through train.load_tokenizer_and_config as main gets them."""
+config come from checkpoint.tiny_tokenizer_and_config, through checkpoint.load_tokenizer_and_config as main gets
+them."""
 
+import checkpoint
 import train
 
 
 def demo_tokenizer():
-    return train.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=1), [{"prompt": ""}])[0]
+    return checkpoint.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=1), [{"prompt": ""}])[0]
 
 
 def demo_config(**changes):
     """A fresh copy of the tiny model's config, with `changes` (vocab_size, hidden_size, ...)."""
-    config = train.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=1), [{"prompt": ""}])[1]
+    config = checkpoint.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=1), [{"prompt": ""}])[1]
     config.update(changes)
     return config

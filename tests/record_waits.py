@@ -13,6 +13,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.getcwd())  # the train.py of the folder torchrun runs in
 import checkpoint  # noqa: E402
 import engines  # noqa: E402
+import flags  # noqa: E402
 import launch  # noqa: E402
 import train  # noqa: E402
 
@@ -48,7 +49,10 @@ def recording(name, collective):
 
 for op in ("barrier", "broadcast_object_list", "gather_object", "all_gather_object", "all_reduce"):
     setattr(dist, op, recording(op, getattr(dist, op)))
-cfg = train.parse_config()
+cfg = flags.parse(
+    train.Config,
+    train.PRESETS,
+)
 try:
     train.main()
 finally:

@@ -13,7 +13,7 @@ What is real (sglang's own code, unchanged):
 - on the wire: the io_struct requests and replies, msgpack-encoded by io_struct.msgpack_encode as sock_send does;
 - trainer side, dp x tp gloo ranks: launch.parallel_groups, engines.start_engine (called on every rank: the port, the
   barrier; on the owner engines.SGLangEngine: the environment, the engine's config.json, the warm-up request) over
-  the real sglang.Engine class, and engines.push_weights of train.full_weights on the trainer's sharded model (FSDP2 +
+  the real sglang.Engine class, and engines.push_weights of engines.full_weights on the trainer's sharded model (FSDP2 +
   DTensor TP, loaded by checkpoint.load_weights).
 
 What is replaced:
@@ -610,7 +610,7 @@ def run_trainer_command(rank, shape, kind, options):
     mutate_buckets(options.get("rename", {}), options.get("reshape", {}))
     try:
         cfg = train.Config(engine="sglang", bucket_mb=options["bucket_mb"])
-        weights = train.full_weights(model, trainer_engine.push_dtype)
+        weights = engines.full_weights(model, trainer_engine.push_dtype)
         engines.push_weights(weights, trainer_engine, cfg.bucket_mb, par.tp_group)
     finally:
         mutate_buckets({}, {})

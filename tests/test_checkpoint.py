@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import checkpoint
+import engines
 import launch
 import reward
 import train
@@ -87,7 +88,9 @@ def test_hf_folder_loads_with_from_pretrained_and_holds_the_trained_weights(tmp_
     trained_with = demo_tokenizer()
     for tokenizer in (
         AutoTokenizer.from_pretrained(folder / "hf"),
-        train.load_tokenizer_and_config(train.Config(model=str(folder / "hf"), max_new_tokens=1), [{"prompt": ""}])[0],
+        checkpoint.load_tokenizer_and_config(
+            train.Config(model=str(folder / "hf"), max_new_tokens=1), [{"prompt": ""}]
+        )[0],
     ):
         for text in ("Say a:", "a b\n\tc  d", string.printable):
             ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -300,7 +303,7 @@ def save_two_checkpoints_recording_syncs(rank, world, out_dir):
     checkpoint.load_weights([model], [None], cfg, config, par.world_group)
     optimizer = torch.optim.AdamW(model.parameters())
     for step in (1, 2):
-        weights = train.full_weights(model, torch.float32)
+        weights = engines.full_weights(model, torch.float32)
         checkpoint.save(cfg, step, model, optimizer, demo_tokenizer(), weights, None, par.world_group)
     return events
 

@@ -15,12 +15,18 @@ import torch
 from transformers import AutoTokenizer
 
 import checkpoint
+import flags
 import reward
 import train
 from demo_model import demo_config, demo_tokenizer
 
 # ---------------------------------------------------------------------------------------------------------------
 # countdown
+
+
+def parse(argv):
+    """The Config that train.py's command line `argv` gives."""
+    return flags.parse(train.Config, train.PRESETS, argv)
 
 
 def solve_countdown(nums, target):
@@ -206,7 +212,7 @@ def test_data_path_is_read_for_a_generated_task_too(tmp_path, datasets_cache):
 
 
 def test_any_task_name_parses_and_one_without_data_stops_naming_the_flag_and_the_tasks_with_data():
-    assert train.parse_config(["--task", "mnist"]).task == "mnist"  # a user's own task: no fixed list of choices
+    assert parse(["--task", "mnist"]).task == "mnist"  # a user's own task: no fixed list of choices
     with pytest.raises(SystemExit, match="--task mnist: reward.py has no data for it .*countdown.*gsm8k"):
         reward.load_rows("mnist", "train", "", 10, 10, 0)
 
@@ -287,11 +293,11 @@ def test_encode_prompt_without_chat_template_renders_plain_template(qwen_tokeniz
 
 
 def test_plain_template_flag_renders_the_r1_zero_prompt_despite_a_chat_template(qwen_tokenizer):
-    cfg = train.parse_config(["--plain_template", "true"])
+    cfg = parse(["--plain_template", "true"])
     ids = reward.encode_prompt(qwen_tokenizer, MESSAGES, cfg.plain_template)
     assert qwen_tokenizer.chat_template and IM_START not in ids
     assert qwen_tokenizer.decode(ids) == reward.PLAIN_TEMPLATE.format(question=MESSAGES[0]["content"])
-    assert IM_START in reward.encode_prompt(qwen_tokenizer, MESSAGES, train.parse_config([]).plain_template)
+    assert IM_START in reward.encode_prompt(qwen_tokenizer, MESSAGES, parse([]).plain_template)
 
 
 def test_encode_prompt_encodes_a_string_prompt_as_is(qwen_tokenizer):
@@ -455,7 +461,7 @@ def test_data_files_that_cannot_be_read_or_rows_without_a_field_stop_in_one_line
 
 
 def test_cpu_preset_sets_its_values_and_keeps_other_defaults():
-    cfg = train.parse_config(["--preset", "cpu"])
+    cfg = parse(["--preset", "cpu"])
     assert (cfg.model, cfg.task, cfg.steps, cfg.lr, cfg.prompts_per_step, cfg.group_size) == (
         "tiny",
         "toy",
@@ -471,13 +477,13 @@ def test_cpu_preset_sets_its_values_and_keeps_other_defaults():
 
 
 def test_explicit_flag_wins_over_preset_in_either_order():
-    assert train.parse_config(["--preset", "cpu", "--lr", "0.5"]).lr == 0.5
-    assert train.parse_config(["--lr", "0.5", "--preset", "cpu"]).lr == 0.5
-    assert train.parse_config(["--preset", "cpu", "--lr", "0.5"]).steps == 30
+    assert parse(["--preset", "cpu", "--lr", "0.5"]).lr == 0.5
+    assert parse(["--lr", "0.5", "--preset", "cpu"]).lr == 0.5
+    assert parse(["--preset", "cpu", "--lr", "0.5"]).steps == 30
 
 
 def test_no_flags_give_config_defaults_with_the_engine_chosen_by_the_machine():
-    cfg = train.parse_config([])
+    cfg = parse([])
     assert cfg == train.Config() and cfg.engine == ("sglang" if torch.cuda.is_available() else "hf")
 
 
@@ -491,7 +497,7 @@ def test_no_flags_give_config_defaults_with_the_engine_chosen_by_the_machine():
 )
 def test_a_mistyped_flag_is_one_line_naming_the_nearest_flag(flags, said, capsys):
     with pytest.raises(SystemExit, match=re.escape(said)):
-        train.parse_config(flags)
+        parse(flags)
     assert "usage:" not in capsys.readouterr().err  # not argparse's usage of every flag
 
 
@@ -557,7 +563,7 @@ def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):
 )
 def test_a_choice_outside_its_list_is_refused_naming_the_flag_and_the_choices(flag, value, capsys):
     with pytest.raises(SystemExit) as stop:
-        train.parse_config([flag, value])
+        parse([flag, value])
     error = str(stop.value.code)
     assert f"argument {flag}" in error and f"invalid choice: '{value}'" in error and "choose from" in error
     assert "usage:" not in capsys.readouterr().err
@@ -593,12 +599,14 @@ def test_prompts_that_leave_no_room_for_max_new_tokens_stop_the_run_naming_the_f
     # --model tiny's context is 512 tokens. SGLang 0.5.23 aborts a request (and fails its whole batch) whose input
     # reaches 512 - 6 (tp_worker: max_req_input_len = context - 1 - 5); a tool turn's input is the prompt and up to
     # --max_new_tokens - 1 tokens of response. It also ends responses at 512 - 2 tokens in all.
-    train.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=506 - longest), items)  # fits exactly
+    checkpoint.load_tokenizer_and_config(
+        train.Config(model="tiny", max_new_tokens=506 - longest), items
+    )  # fits exactly
     with pytest.raises(
         SystemExit,
         match=f"{longest} tokens\\) and --max_new_tokens {507 - longest} exceed the context length 512 less 6",
     ):
-        train.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=507 - longest), items)
+        checkpoint.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=507 - longest), items)
 
 
 def test_reference_answers_that_do_not_parse_are_none_and_counted_in_a_printed_warning(capsys):
@@ -683,13 +691,13 @@ def test_a_token_budget_below_the_longest_sample_is_refused_naming_both_flags():
     items = [{"prompt": "Say a:" + "a" * 20, "task": "toy", "target": "a"}]  # 26 prompt tokens
     cfg = train.Config(model="tiny", max_new_tokens=16)
     for budget in (0, 42, 100):  # 0: fixed micro-batches
-        train.load_tokenizer_and_config(dataclasses.replace(cfg, max_tokens_per_microbatch=budget), items)
+        checkpoint.load_tokenizer_and_config(dataclasses.replace(cfg, max_tokens_per_microbatch=budget), items)
     with pytest.raises(
         SystemExit,
         match=r"--max_tokens_per_microbatch 41 is below the longest sample: 26 prompt "
         r"tokens \+ --max_new_tokens 16",
     ):
-        train.load_tokenizer_and_config(dataclasses.replace(cfg, max_tokens_per_microbatch=41), items)
+        checkpoint.load_tokenizer_and_config(dataclasses.replace(cfg, max_tokens_per_microbatch=41), items)
 
 
 @pytest.mark.parametrize("task", ["toy", "countdown"])

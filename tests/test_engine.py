@@ -141,7 +141,7 @@ def push_then_generate(rank, world, folder, dp, tp):
     if owner:  # start from other weights, so a push that does nothing cannot pass
         engine.update([(n, torch.zeros_like(p)) for n, p in engine.model.named_parameters()], par.tp_group)
     bucket_mb = 1
-    engines.push_weights(train.full_weights(model, engine.push_dtype), engine, bucket_mb, par.tp_group)
+    engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, bucket_mb, par.tp_group)
     cfg = train.Config(group_size=3, max_new_tokens=8, temperature=1.0)
     items = [{"prompt": "ab", "task": "toy", "target": "a"}, {"prompt": "cde", "task": "toy", "target": "b"}]
     repeated = [item for item in items for _ in range(cfg.group_size)]  # G samples per prompt, as collect_rollouts
@@ -189,7 +189,7 @@ def bucket_plan(rank, world, folder, dp, tp, bucket_bytes):
     par = launch.parallel_groups("cpu", tp)
     model = sharded_model(folder, par)
     want = dict(reference.named_parameters())
-    buckets = list(engines.weight_buckets(train.full_weights(model, torch.bfloat16), bucket_bytes))
+    buckets = list(engines.weight_buckets(engines.full_weights(model, torch.bfloat16), bucket_bytes))
     tensors = [t for bucket in buckets for _, t in bucket]
     return {
         "names": [[n for n, _ in bucket] for bucket in buckets],

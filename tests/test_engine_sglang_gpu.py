@@ -101,7 +101,7 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
     engine = engines.start_engine(cfg, config, par, device)  # this one-rank job owns the engine
 
     def push():  # as main
-        engines.push_weights(train.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
+        engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
 
     try:
         assert os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] == "false"

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import checkpoint
 import engines
+import flags
 import launch
 import lora
 import train
@@ -160,7 +161,7 @@ def lora_step(rank, world, folder, dp, tp):
     _, maxima = train.train_on_rollouts(model, optimizer, per_rank[par.mesh["dp"].get_local_rank()], cfg, par)
     after = adapters_of(model)
     frozen = {name: whole(param) for name, param in model.named_parameters() if ".lora_" not in name}
-    buckets = engines.weight_buckets(train.full_weights(model, torch.float32), 1 << 14)
+    buckets = engines.weight_buckets(engines.full_weights(model, torch.float32), 1 << 14)
     pushed = {name: full for bucket in buckets for name, full in bucket}
     if rank > 0:
         return None
@@ -391,7 +392,7 @@ def test_the_cpu_demo_with_lora_learns_the_toy_reward(tmp_path):
 )
 def test_a_bad_lora_flag_is_refused_in_one_line_naming_it(flag, value):
     with pytest.raises(SystemExit) as refused:
-        train.check_config(train.parse_config(["--preset", "cpu", flag, value]), 2)
+        train.check_config(flags.parse(train.Config, train.PRESETS, ["--preset", "cpu", flag, value]), 2)
     message = str(refused.value)
     assert message.startswith(f"{flag} must be ") and "\n" not in message and value in message.lower()
 

@@ -12,7 +12,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import engines
 import launch
-import train
 from test_parallel import save_reference, sharded_model
 from workers import run_ranks
 
@@ -38,7 +37,7 @@ def gathered(rank, world, folder, tp):
     par = launch.parallel_groups("cpu", tp)
     model = sharded_model(folder, par)
     with GatheredBytes() as new:
-        buckets = engines.weight_buckets(train.full_weights(model, torch.bfloat16), 1 << 20)
+        buckets = engines.weight_buckets(engines.full_weights(model, torch.bfloat16), 1 << 20)
         pushed = [(n, t) for bucket in buckets for n, t in bucket]
     with GatheredBytes() as old:
         reference = [(n, p.full_tensor().to(torch.bfloat16)) for n, p in model.named_parameters()]
@@ -75,7 +74,7 @@ def handshake(rank, world, folder):
     engine = SlowLoads(owner=rank == 0)
     with GatheredBytes() as gathers:
         # --bucket_mb 0: a bucket per tensor
-        engines.push_weights(train.full_weights(model, engine.push_dtype), engine, 0, par.tp_group)
+        engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, 0, par.tp_group)
     return engine.loaded, engine.entered, gathers.starts
 
 
@@ -129,7 +128,7 @@ def memory_order(rank, world, folder):
     engine = LastBucketWatch(events)
     torch.cuda.is_available = lambda: True
     try:
-        engines.push_weights(train.full_weights(model, engine.push_dtype), engine, 0, par.tp_group)
+        engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, 0, par.tp_group)
     finally:
         for name, function in cuda.items():
             setattr(torch.cuda, name, function)

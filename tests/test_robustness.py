@@ -144,6 +144,87 @@ def test_a_reward_that_is_not_a_finite_number_is_a_failed_call(bad_reward):
     assert "reward_fn returned None, not a finite number" in errors[1] and len(errors) == 2
 
 
+TERMS_REWARD = '''
+
+_reward_fn = reward_fn
+
+
+def reward_fn(completion, item):
+    """Named terms, and on some completions a hostile return: a NaN or a string for a term, a term missing, an
+    unknown one, a number or a list instead of a dict, a call that raises."""
+    correct = _reward_fn(completion, item)
+    terms = {"correct": correct, "format": 0.5}
+    if "n" in completion:
+        terms["format"] = float("nan")
+    if "s" in completion:
+        terms["correct"] = "1.0"
+    if "m" in completion:
+        del terms["format"]
+    if "u" in completion:
+        terms["style"] = 1.0
+    if "f" in completion:
+        return 0.25
+    if "l" in completion:
+        return [correct, 0.5]
+    if "b" in completion:
+        raise RuntimeError("a bug in the user's reward")
+    return terms
+'''
+
+
+@pytest.fixture
+def terms_reward(monkeypatch):
+    namespace = {"__name__": reward.__name__, "reward_fn": reward.reward_fn}
+    exec(TERMS_REWARD, namespace)
+    monkeypatch.setattr(reward, "reward_fn", namespace["reward_fn"])
+
+
+def test_reward_terms_are_scored_by_name_and_a_hostile_term_scores_zero_and_is_counted(terms_reward):
+    """Each completion gets a dict of the run's terms. A term that is NaN, not a number or missing scores 0 and the
+    rest of its dict counts; an unknown term is left out; a return that is no dict, or a call that fails, scores 0
+    for every term. Each such completion is one error naming what was wrong."""
+    texts = ["aaaa", "anan", "asas", "amam", "auau", "afaf", "alal", "abab"]
+    workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=5.0)
+    try:
+        scores, errors = workers.score(texts, [{"task": "toy", "target": "a"}] * len(texts), ("correct", "format"))
+    finally:
+        workers.close()
+    assert scores == [
+        {"correct": 1.0, "format": 0.5},
+        {"correct": 0.5, "format": 0.0},
+        {"correct": 0.0, "format": 0.5},
+        {"correct": 0.5, "format": 0.0},
+        {"correct": 0.5, "format": 0.5},
+        {"correct": 0.0, "format": 0.0},
+        {"correct": 0.0, "format": 0.0},
+        {"correct": 0.0, "format": 0.0},
+    ]
+    assert [list(s) for s in scores] == [["correct", "format"]] * len(texts)  # the run's order, on every sample
+    assert len(errors) == 7
+    assert "term 'format' is nan, not a finite number" in errors[0]
+    assert "term 'correct' is '1.0', not a finite number" in errors[1]
+    assert "no term 'format'" in errors[2]
+    assert "terms 'style' that no item returned at start (left out)" in errors[3]
+    assert "reward_fn returned 0.25, not a dict of its terms ['correct', 'format']" in errors[4]
+    assert "not a dict of its terms" in errors[5] and "a bug in the user's reward" in errors[6]
+
+
+def test_the_run_takes_its_reward_terms_from_what_reward_fn_returns_on_the_items(terms_reward, monkeypatch):
+    """check_items, before any model loads: the names of the terms reward_fn returns, in their order; () for a
+    reward_fn that returns a number; a reward_fn that returns a number for some items and a dict for others, or a
+    term whose name is not a string, stops the run in one line."""
+    items = [{"prompt": "Say a:", "task": "toy", "target": t} for t in "abc"]
+    assert reward.check_items(items, "train") == ("correct", "format")
+    monkeypatch.setattr(reward, "reward_fn", lambda completion, item: 0.0)
+    assert reward.check_items(items, "train") == ()
+    monkeypatch.setattr(reward, "reward_fn", lambda completion, item: {"c": 1.0} if item["target"] == "a" else 1.0)
+    with pytest.raises(SystemExit, match="a dict of terms \\('c', ...\\) for some train items and a number for others"):
+        reward.check_items(items, "train")
+    monkeypatch.setattr(reward, "reward_fn", lambda completion, item: {"c": 1.0, 2: 0.5})
+    with pytest.raises(SystemExit, match="reward_fn returns a term named 2: name each term with a string"):
+        reward.check_items(items, "train")
+
+
 def test_workers_take_no_trainer_signal_handler_and_close_ends_what_reward_fn_started(bad_reward, tmp_path):
     """Workers forked after the trainer's SIGTERM handler (replacements are) die of SIGTERM rather than print that
     they finish the step; close() ends a stuck worker at once, and the process its reward_fn started."""

@@ -1,8 +1,10 @@
 """Every Python file of the project is formatted by ruff and passes its lint rules (pyproject.toml), and train.py
 stays a file a researcher reads: under 1,000 lines and at most 10 tokens per code line."""
 
+import dataclasses
 import io
 import os
+import re
 import subprocess
 import sys
 import tokenize
@@ -40,3 +42,44 @@ def test_train_py_stays_under_1000_lines_at_most_10_tokens_a_line():
     with open(path) as f:
         assert len(f.readlines()) < 1000
     assert tokens_per_code_line(path) <= 10
+
+
+def documented_defaults():
+    """{flag: the default docs/flags.md gives it}: a row names its flags (`--a` or `--a` / `--b`) in its first cell
+    and their defaults in the second, in the same order; a single flag's cell may say more (`sglang` on CUDA, else
+    `hf`), and an empty cell is the empty string."""
+    with open(os.path.join(ROOT, "docs", "flags.md")) as f:
+        rows = [line.split("|")[1:3] for line in f if line.startswith("| `--")]
+    documented = {}
+    for names, defaults in rows:
+        flags = re.findall(r"`--(\w+)`", names)
+        values = re.findall(r"`([^`]*)`", defaults) or [""]
+        if len(flags) == 1:
+            documented[flags[0]] = values
+        else:
+            assert len(values) == len(flags), (names, defaults)
+            documented.update((flag, [value]) for flag, value in zip(flags, values))
+    return documented
+
+
+def shows(value, default):
+    """Whether docs/flags.md's `value` is the default: true / false, a number equal to it, or the string itself."""
+    if isinstance(default, bool):
+        return value == str(default).lower()
+    if isinstance(default, (int, float)):
+        try:
+            return float(value) == default
+        except ValueError:
+            return False
+    return value == default
+
+
+def test_docs_flags_md_lists_every_flag_of_config_with_its_default():
+    import train
+
+    documented = documented_defaults()
+    for field in dataclasses.fields(train.Config):
+        assert field.name in documented, f"--{field.name} is not in docs/flags.md"
+        values = documented[field.name]
+        assert any(shows(value, field.default) for value in values), (field.name, values, field.default)
+    assert documented.keys() <= {field.name for field in dataclasses.fields(train.Config)}  # no flag that went
