@@ -3,6 +3,7 @@ the hub, and the checkpoints that let a run stop and go on exactly.
 
 A checkpoint is a folder checkpoints/step_N under --out_dir:
     dcp/                 the trained parameters and their AdamW state, sharded as the ranks hold them (exact resume)
+    in_flight.pt         with --partial_rollouts: the responses still being generated, by dp rank, with their versions
     hf/                  the policy as a transformers folder (LoRA merged in), which loads in transformers and engines
     adapter/             with --lora_rank: the adapters alone, in PEFT's layout
     trainer_state.json   the step, the flags, wandb's run id and every file's size (a damaged checkpoint is seen)
@@ -270,9 +271,10 @@ def training_state(model, optimizer):
     return {"model": trained, "optim": get_optimizer_state_dict(model, optimizer)}
 
 
-def save(cfg, step, model, optimizer, tokenizer, full_weights, wandb_id, world_group):
+def save(cfg, step, model, optimizer, tokenizer, full_weights, wandb_id, world_group, in_flight=None):
     """checkpoints/step_N, written as step_N.tmp and then renamed; `full_weights` yields (HF name, full fp32 tensor)
-    for hf/, on every rank (gathering is a collective). Data, sampling and the learning rate follow from the step."""
+    for hf/, on every rank (gathering is a collective). Data, sampling and the learning rate follow from the step;
+    with --partial_rollouts, in_flight.pt holds each dp rank's responses in flight (`in_flight`, its engine's)."""
     rank = dist.get_rank()
     final = os.path.join(cfg.out_dir, "checkpoints", f"step_{step:06d}")
     tmp = final + ".tmp"
@@ -283,6 +285,8 @@ def save(cfg, step, model, optimizer, tokenizer, full_weights, wandb_id, world_g
         dist.barrier(group=world_group)
         state = training_state(model, optimizer)
         dcp.save(state, checkpoint_id=f"{tmp}/dcp")
+        if cfg.partial_rollouts:
+            save_in_flight(in_flight, f"{tmp}/in_flight.pt", cfg.tp, world_group)
         weights = {}
         for name, tensor in full_weights:
             if rank == 0:
@@ -432,8 +436,36 @@ def check_lora_flags(cfg, path, saved_flags):
             raise SystemExit(f"--resume {path} was trained with --{key} {saved_value}: resume with that --{key}")
 
 
-def resume(path, model, optimizer):
-    """The trained parameters (in place) and AdamW's state as save wrote them."""
+def resume(path, model, optimizer, cfg, world_group):
+    """The trained parameters (in place) and AdamW's state as save wrote them; and with --partial_rollouts this
+    rank's responses in flight, as its dp rank's engine held them (None if the checkpoint holds none for this dp)."""
     state = training_state(model, optimizer)
     dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
     set_optimizer_state_dict(model, optimizer, state["optim"])
+    if cfg.partial_rollouts:
+        return load_in_flight(os.path.join(path, "in_flight.pt"), cfg.tp, world_group)
+    return None
+
+
+def save_in_flight(in_flight, file, tp, world_group):
+    """Each dp rank's responses in flight (its TP group's first rank holds them) gathered into `file`, by rank 0."""
+    world = dist.get_world_size(world_group)
+    every_rank = [None] * world if dist.get_rank() == 0 else None
+    dist.gather_object(in_flight, every_rank, dst=0, group=world_group)
+    if dist.get_rank() == 0:
+        torch.save(every_rank[::tp], file)  # a TP group's ranks are next to each other: its first, per dp rank
+
+
+def load_in_flight(file, tp, world_group):
+    """This rank's dp rank's responses in flight from `file`; None for a checkpoint saved with another dp, or none."""
+    world = dist.get_world_size(world_group)
+    by_rank = [None] * world
+    if dist.get_rank() == 0 and os.path.exists(file):
+        by_dp_rank = torch.load(file, weights_only=False)  # the trainer's own objects, pickled by save_in_flight
+        if len(by_dp_rank) == world // tp:
+            by_rank = [by_dp_rank[rank // tp] for rank in range(world)]
+        else:
+            print(f"{file}: saved on dp {len(by_dp_rank)}, not {world // tp}: its responses in flight are dropped")
+    mine = [None]
+    dist.scatter_object_list(mine, by_rank if dist.get_rank() == 0 else None, src=0, group=world_group)
+    return mine[0]

@@ -74,3 +74,20 @@ def check_bounds(cfg):
         value = getattr(cfg, name)
         if not bound.admits(value):
             raise SystemExit(f"--{name} must be a number {bound}, not {value}")
+
+
+def named_numbers(cfg, flag):
+    """A flag of name=number pairs separated by commas (--reward_weights correct=1,format=0.2) as {name: number};
+    anything else, or a number that is not finite, stops the run naming the flag."""
+    text = getattr(cfg, flag)
+    numbers = {}
+    try:
+        for pair in filter(None, text.split(",")):
+            name, number = pair.split("=")
+            numbers[name.strip()] = float(number)
+    except ValueError:
+        why = "give name=number pairs separated by commas, as correct=1,format=0.2"
+        raise SystemExit(f"--{flag} {text}: {why}") from None
+    if not all(map(math.isfinite, numbers.values())):
+        raise SystemExit(f"--{flag} {text}: each number must be finite")
+    return numbers

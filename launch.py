@@ -1,6 +1,7 @@
 """How train.py runs as processes under torchrun: the process group, the (dp, tp) device mesh and gloo groups, work
-done once on a group's first rank, progress lines, stopping on a signal, and every rank exiting together with rank 0
-saying why.
+done once on a group's first rank, what the ranks must do alike (sums over the world, as many micro-batches on every
+rank, the global grad norm over dp's and tp's meshes), progress lines, stopping on a signal, and every rank exiting
+together with rank 0 saying why.
 
 Machinery a researcher rarely edits; `python train.py` (one process, no torchrun) goes through the same code.
 """
@@ -8,12 +9,15 @@ Machinery a researcher rarely edits; `python train.py` (one process, no torchrun
 import contextlib
 import datetime
 import logging
+import math
 import os
 import signal
+import string
 import sys
 import threading
 import time
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +92,51 @@ def sum_over_world(values, par):
     dist.all_reduce(totals, group=par.world_group)
     totals /= par.mesh["tp"].size()
     return dict(zip(values, totals.tolist()))
+
+
+def micro_batches(samples, cfg, group):
+    """--micro_batch_size each, or packed to --max_tokens_per_microbatch; equal count on all ranks (collectives)."""
+    if cfg.max_tokens_per_microbatch == 0:
+        return [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
+    batches = []
+    longest = 0  # the length of the last micro-batch's first sequence
+    for sample in sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids), reverse=True):
+        if batches and (len(batches[-1]) + 1) * longest <= cfg.max_tokens_per_microbatch:
+            batches[-1].append(sample)
+        else:
+            batches.append([sample])
+            longest = len(sample.prompt_ids) + len(sample.response_ids)
+    count = torch.tensor(len(batches))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    while len(batches) < count:
+        largest = batches.pop(max(range(len(batches)), key=lambda i: len(batches[i])))
+        batches += [largest[: len(largest) // 2], largest[len(largest) // 2 :]]
+    return batches
+
+
+def clip_grad_norm(model, max_norm):
+    """The gradients' global norm, and with --max_grad_norm above 0 the gradients scaled to at most that when it is
+    finite. A norm per mesh, then combined: clip_grad_norm_ cannot mix dp's and (dp, tp)'s DTensors."""
+    by_mesh = defaultdict(list)
+    for param in model.parameters():
+        if param.grad is not None:
+            by_mesh[param.grad.device_mesh].append(param.grad)
+    squares = [torch.nn.utils.get_total_norm(grads).full_tensor().item() ** 2 for grads in by_mesh.values()]
+    norm = math.sqrt(sum(squares))
+    if 0 < max_norm < norm < math.inf:
+        for grads in by_mesh.values():
+            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+    return norm
+
+
+def format_parts(parts, values):
+    """The parts (each a format of `values`' keys) that name only keys `values` holds, formatted, joined by spaces."""
+    shown = []
+    for part in parts:
+        keys = [key for _, key, _, _ in string.Formatter().parse(part) if key]
+        if all(key in values for key in keys):
+            shown.append(part.format(**values))
+    return " ".join(shown)
 
 
 @contextlib.contextmanager

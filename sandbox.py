@@ -449,12 +449,14 @@ class RewardWorkers:
     cut off inside its worker (SIGALRM). A worker that has not answered a second later (stuck where SIGALRM cannot
     reach, as C code with signals blocked, or stopped by SIGSTOP) or is dead is killed with its process group and
     replaced, and its call scores 0: every exchange with a worker, the call sent and its answer read, has that
-    deadline, so a batch never waits much longer than its slowest allowed call. With show_first_error, the first
+    deadline, so a batch never waits much longer than its slowest allowed call. With `terms`, the names of the terms
+    that reward_fn returns in a dict, each completion scores a dict of them. With show_first_error, the first
     failure is printed, once."""
 
-    def __init__(self, reward_fn, workers: int, timeout: float, show_first_error: bool = False):
+    def __init__(self, reward_fn, workers: int, timeout: float, terms: tuple = (), show_first_error: bool = False):
         self.reward_fn = reward_fn
         self.timeout = timeout
+        self.terms = tuple(terms)
         self.show_first_error = show_first_error
         self.context = multiprocessing.get_context("fork")
         self.workers = [self._start() for _ in range(workers)]
@@ -483,15 +485,15 @@ class RewardWorkers:
         self.workers[w] = self._start()
         return process.exitcode
 
-    def score(self, completions: list[str], items: list[dict], terms: tuple = ()) -> tuple[list, list[str]]:
-        """reward_fn of each completion with its item, a float each; with `terms`, the names of the terms that
-        reward_fn returns, a dict of them each. Why the failed calls (scored 0) and terms (0) failed."""
+    def score(self, completions: list[str], items: list[dict]) -> tuple[list, list[str]]:
+        """reward_fn of each completion with its item: a float each, or a dict of the terms the workers were made
+        with; why the failed calls (scored 0) and terms (0) failed."""
         calls = []
         for completion, item in zip(completions, items):
-            calls.append((_reward_or_error, (self.reward_fn, completion, item, self.timeout, tuple(terms))))
+            calls.append((_reward_or_error, (self.reward_fn, completion, item, self.timeout, self.terms)))
         results, failed = self._run(calls, self.timeout + 1.0, "reward_fn")
         for i, why in failed.items():
-            results[i] = (_failed(tuple(terms)), f"{why}: scored 0, and the worker replaced")
+            results[i] = (_failed(self.terms), f"{why}: scored 0, and the worker replaced")
         errors = [error for _, error in results if error]
         if errors and self.show_first_error:
             print(f"reward_fn failed; it scores 0, counted as reward_errors (shown once):\n{errors[0]}", flush=True)

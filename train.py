@@ -15,9 +15,9 @@ processes) and launch.py (the processes under torchrun).
 
 import datetime
 import functools
+import itertools
 import math
 import os
-import string
 import textwrap
 import time
 from collections import defaultdict
@@ -39,6 +39,7 @@ import reward
 import sandbox
 import vocab_parallel
 from flags import Above, AtLeast
+from inflight import Group, InFlight
 from reward import PromptDataset
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -73,10 +74,13 @@ class Config:
     clip_low: NonNegative = 0.2  # ratio clipped below at 1 - clip_low (docs/losses.md: GRPO, Dr. GRPO, DAPO)
     clip_high: NonNegative = 0.28  # and above at 1 + clip_high (clip-higher, DAPO)
     ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's one ratio per response (docs/losses.md)
-    objective: Literal["clip", "cispo", "dppo_tv", "dppo_kl"] = "clip"  # docs/losses.md: CISPO, DPPO
+    objective: Literal["clip", "cispo", "dppo_tv", "dppo_kl", "sapo"] = "clip"  # docs/losses.md: CISPO, DPPO, SAPO
     dppo_tv_delta: NonNegative = 0.15  # dppo_tv: a token's probability may move this far from the old policy's
     dppo_kl_delta: NonNegative = 0.05  # dppo_kl: its binary KL (sampled token vs the rest) to the old policy this far
+    sapo_temperature_pos: Positive = 1.0  # sapo: the soft gate's temperature where the advantage is positive
+    sapo_temperature_neg: Positive = 1.05  # and where it is not: a faster fall-off (the paper's, TRL's defaults)
     loss_agg: Literal["token", "sequence", "constant"] = "token"  # DAPO's token mean | GRPO's | Dr. GRPO's constant
+    advantage: Literal["grpo", "rloo"] = "grpo"  # rloo: r less the mean of the group's other rewards (RLOO)
     scale_std: bool = True  # divide advantages by a std of the rewards (False: Dr. GRPO)
     std_of: Literal["group", "batch"] = "group"  # that std: each group's (GRPO), or the whole batch's (Lite PPO)
     beta: NonNegative = 0.0  # weight of the KL to the initial policy; 0 builds no reference model
@@ -84,6 +88,9 @@ class Config:
     kl_in_reward: bool = False  # subtract beta x the sequence's summed KL from its reward instead of adding a loss
     entropy_coef: NonNegative = 0.0  # entropy bonus
     overlong_buffer: Natural = 0  # > 0: DAPO's soft overlong penalty, 0 down to -1 over the last N tokens of the limit
+    partial_rollouts: bool = False  # a step trains once a batch of groups ended; the rest go on (docs/losses.md)
+    round_tokens: Count = 128  # --partial_rollouts: a round of generation gives a response at most this many tokens
+    max_staleness: Count = 4  # --partial_rollouts: a trained token was sampled at most this many steps ago
     dynamic_sampling_rounds: Natural = 0  # > 0: DAPO's dynamic sampling, dropped groups refilled in up to N more rounds
     tis_cap: NonNegative = 0.0  # > 0: importance sampling against the engine / trainer mismatch, r = p_old / p_engine
     is_mode: Literal["truncate", "mask"] = "truncate"  # with --tis_cap: weight min(r, cap), or r masked to [1/cap, cap]
@@ -111,6 +118,7 @@ class Config:
     resume: str = ""  # a checkpoint folder, or "auto": the newest complete one under out_dir (if any)
     reward_workers: Count = 4  # processes computing rewards in parallel
     reward_timeout: Positive = 5.0  # seconds before a reward_fn call is cut off; it scores 0
+    reward_weights: str = ""  # name=weight,...: reward_fn's terms weighted, then summed; a term left out weighs 1
     seed: int = 0
     out_dir: str = "runs/grpo"  # config.json, metrics.jsonl, checkpoints/ (README: where the outputs are)
     wandb_project: str = ""  # log to wandb too when set (WANDB_MODE=offline needs no network)
@@ -140,6 +148,7 @@ def check_config(cfg, world):
     dp = max(world // cfg.tp, 1)
     per_rank = cfg.prompts_per_step // dp
     is_level_or_mode_set = (cfg.is_mode, cfg.is_level) != ("truncate", "token")
+    flags.named_numbers(cfg, "reward_weights")
     checks = [
         (world % cfg.tp, f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}"),
         (cfg.prompts_per_step % dp, f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp}"),
@@ -149,12 +158,21 @@ def check_config(cfg, world):
         ),
         (cfg.kl_in_reward and cfg.beta == 0, "--kl_in_reward needs --beta above 0: beta scales the KL penalty"),
         (cfg.std_of == "batch" and not cfg.scale_std, "--std_of batch is the std that --scale_std divides by: keep it"),
+        (
+            cfg.advantage == "rloo" and cfg.scale_std,
+            "--advantage rloo is not divided by a std (as verl's and TRL's RLOO): add --scale_std false",
+        ),
         (cfg.temperature == 0, "--temperature must be above 0: greedy samples are all alike, nothing to learn"),
         (not 0 < cfg.top_p <= 1, f"--top_p must be above 0 and at most 1, not {cfg.top_p}"),
         (cfg.top_k > MAX_KEPT, f"--top_k {cfg.top_k} keeps more than the {MAX_KEPT} tokens stored per sampled token"),
         (not 0 < cfg.mem_fraction < 1, f"--mem_fraction is a share: above 0, below 1, not {cfg.mem_fraction}"),
         (os.path.realpath(cfg.out_dir) == os.path.realpath(cfg.model), "--out_dir must differ from --model"),
         (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
+        (
+            cfg.partial_rollouts and cfg.tis_cap == 0,
+            "--partial_rollouts trains older policies' tokens: add --tis_cap 2",
+        ),
+        (cfg.partial_rollouts and cfg.dynamic_sampling_rounds, "--partial_rollouts: no --dynamic_sampling_rounds"),
         (
             cfg.objective.startswith("dppo") and cfg.ratio_level == "sequence",
             f"--objective {cfg.objective} masks tokens by their own ratio: use --ratio_level token",
@@ -195,9 +213,13 @@ class Sample:
     kept_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
     kept_sizes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
     tool_outputs: list[str] = field(default_factory=list)  # what each run of its code printed (--tool python)
+    # Per sampled token: the step whose policy sampled it (the engine's weights then), for --partial_rollouts.
+    versions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
+    ended: bool = False  # a stop token sampled, or --max_new_tokens reached: generated to its end
     truncated: bool = False  # cut off by --max_new_tokens rather than ended by a stop token
-    score: float = 0.0  # reward_fn's value
-    reward: float = 0.0  # score plus shaping (the overlong penalty): what advantages are made from
+    terms: dict = field(default_factory=dict)  # reward_fn's terms by name, when it returns a dict of them
+    reward: float = 0.0  # reward_fn's value (its terms weighted by --reward_weights and summed), before shaping
+    shaped_reward: float = 0.0  # the reward plus shaping (the overlong penalty): what advantages are made from
     advantage: float = 0.0
     loss_weight: float = 0.0  # the weight of each of its tokens in the mini-batch loss (--loss_agg)
     old_logprobs: torch.Tensor | None = None  # the policy's before the update, where the step needs them
@@ -266,38 +288,47 @@ def build_model(model_config, mesh, device, activation_checkpointing=False, lora
 # Rollouts: samples from the engine, tool calls, rewards
 
 
-def generate_rollouts(engine, workers, tokenizer, items, cfg, seed, temperature, n=1):
-    """On the engine's rank: n samples per item, scored; and why the failed reward_fn calls failed. With --tool, a
-    response takes turns: generation stops at a ``` fence, its code runs, generation goes on, all in one budget."""
+def generate_rollouts(engine, workers, tokenizer, items, cfg, seed, temperature, n=1, version=0):
+    """On the engine's rank: n samples per item, each generated to its end, by the policy of step `version`, and
+    scored; and why the failed reward_fn calls failed. With --tool, a response takes turns: generation stops at a
+    ``` fence, its code runs, generation goes on, all in one budget."""
     items = [item for item in items for _ in range(n)]
+    samples = [Sample(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items]
+    while running := [s for s in samples if not s.ended]:
+        generate_turn(engine, workers, tokenizer, running, cfg, seed, temperature, cfg.max_new_tokens, version)
+        seed += 1  # HFEngine's next turn samples afresh
+    errors = score_samples(samples, items, workers, tokenizer, cfg)
+    return samples, errors
+
+
+def generate_turn(engine, workers, tokenizer, samples, cfg, seed, temperature, budget, version):
+    """One engine call, on the engine's rank: each sample goes on by at most `budget` tokens (within
+    --max_new_tokens), each token tagged with `version`, the step whose policy sampled it; a turn that stopped at a
+    ``` fence runs its code (--tool). A sample has ended once it sampled a stop token, reached --max_new_tokens, or
+    got fewer tokens than asked for with no fence (the engine ended it)."""
     stop_ids = reward.stop_token_ids(tokenizer)
     fence_ids = reward.fence_token_ids(tokenizer) if cfg.tool else []
-    samples = [Sample(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items]
-    running = samples
     top_k = cfg.top_k
     if cfg.top_p < 1 and top_k == 0:  # the kept sets bounded
         top_k = MAX_KEPT
-    while running := [s for s in running if len(s.response_ids) < cfg.max_new_tokens]:
-        outputs = engine.generate(
-            [s.prompt_ids + s.response_ids for s in running],
-            [cfg.max_new_tokens - len(s.response_ids) for s in running],
-            temperature,
-            cfg.top_p,
-            top_k,
-            stop_ids + fence_ids,
-            seed,
-        )
-        for s, (ids, logprobs, kept_ids, kept_sizes) in zip(running, outputs):
-            s.response_ids += ids
-            s.sampled += [True] * len(ids)
-            s.engine_logprobs = torch.cat([s.engine_logprobs, logprobs])
-            s.kept_ids = torch.cat([s.kept_ids, kept_ids])
-            s.kept_sizes = torch.cat([s.kept_sizes, kept_sizes])
-        running = [s for s, (ids, *_) in zip(running, outputs) if ids and ids[-1] in fence_ids]
-        run_tools(running, workers, tokenizer, cfg)
-        seed += 1  # HFEngine's next round samples afresh
-    errors = score_samples(samples, items, workers, tokenizer, cfg)
-    return samples, errors
+    budgets = [min(budget, cfg.max_new_tokens - len(s.response_ids)) for s in samples]
+    prompts = [s.prompt_ids + s.response_ids for s in samples]
+    outputs = engine.generate(prompts, budgets, temperature, cfg.top_p, top_k, stop_ids + fence_ids, seed)
+    fenced = []
+    for s, asked, (ids, logprobs, kept_ids, kept_sizes) in zip(samples, budgets, outputs):
+        s.response_ids += ids
+        s.sampled += [True] * len(ids)
+        s.engine_logprobs = torch.cat([s.engine_logprobs, logprobs])
+        s.versions = torch.cat([s.versions, torch.full((len(ids),), version, dtype=torch.int32)])
+        s.kept_ids = torch.cat([s.kept_ids, kept_ids])
+        s.kept_sizes = torch.cat([s.kept_sizes, kept_sizes])
+        if ids and ids[-1] in fence_ids:
+            fenced.append(s)
+        else:
+            s.ended = len(ids) < asked or ids[-1] in stop_ids
+    run_tools(fenced, workers, tokenizer, cfg)
+    for s in samples:
+        s.ended = s.ended or len(s.response_ids) >= cfg.max_new_tokens
 
 
 def run_tools(samples, workers, tokenizer, cfg):
@@ -321,23 +352,34 @@ def run_tools(samples, workers, tokenizer, cfg):
 
 
 def score_samples(samples, items, workers, tokenizer, cfg):
-    """Each sample's reward_fn score with its item, whether --max_new_tokens cut it off (its last token is no stop
-    token), and its reward: the score plus DAPO's overlong penalty. Returns why the failed calls failed."""
+    """Each sample's reward: reward_fn's value with its item, or the sum of its terms weighted by --reward_weights;
+    whether --max_new_tokens cut it off (its last token is no stop token); its shaped reward, with DAPO's overlong
+    penalty. Returns why the failed calls and terms failed."""
     stop_ids = reward.stop_token_ids(tokenizer)
     completions = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     scores, errors = workers.score(completions, items)
+    weights = flags.named_numbers(cfg, "reward_weights")
     for s, score in zip(samples, scores):
-        s.score = score
+        if isinstance(score, dict):  # reward_fn's terms
+            s.terms = score
+            score = sum(weights.get(name, 1.0) * term for name, term in score.items())
+        s.reward = score
         s.truncated = not s.response_ids or s.response_ids[-1] not in stop_ids  # SGLang versions differ at the end
-        s.reward = score + reward.overlong_penalty(len(s.response_ids), cfg.max_new_tokens, cfg.overlong_buffer)
+        penalty = reward.overlong_penalty(len(s.response_ids), cfg.max_new_tokens, cfg.overlong_buffer)
+        s.shaped_reward = score + penalty
     return errors
 
 
-def collect_rollouts(engine, workers, dataset, tokenizer, cfg, step, par):
-    """G samples per prompt, scored; the failed reward_fn calls; and how many groups dynamic sampling dropped (equal
-    scores, so no signal) that no later round could replace."""
+def collect_rollouts(engine, workers, dataset, tokenizer, in_flight, cfg, step, par):
+    """The step's groups of G samples, scored; the failed reward_fn calls; and counts: the groups dynamic sampling
+    dropped (equal shaped rewards, so no signal) that no later round could replace, and with --partial_rollouts the
+    responses carried into the next step."""
     dp_rank = par.mesh["dp"].get_local_rank()
     dp = par.mesh["dp"].size()
+    if cfg.partial_rollouts:  # on the engine's rank, which holds the groups in flight; sent to its TP group
+        args = (engine, workers, dataset, tokenizer, in_flight, cfg, step, dp_rank, dp)
+        samples, errors, carried = launch.on_first_rank(par.tp_group, partial_rollouts, *args)
+        return samples, errors, dict(groups_dropped=0, responses_carried=carried)
     generate = functools.partial(generate_rollouts, engine, workers, tokenizer)
     kept = []
     dropped = []
@@ -348,12 +390,12 @@ def collect_rollouts(engine, workers, dataset, tokenizer, cfg, step, par):
 
         # On the engine's rank, sent to its TP group.
         samples, failed = launch.on_first_rank(
-            par.tp_group, generate, items, cfg, seed, cfg.temperature, cfg.group_size
+            par.tp_group, generate, items, cfg, seed, cfg.temperature, cfg.group_size, step
         )
         errors += failed
         for i in range(0, len(samples), cfg.group_size):
             group = samples[i : i + cfg.group_size]
-            all_equal = len({s.score for s in group}) == 1
+            all_equal = len({s.shaped_reward for s in group}) == 1
             if cfg.dynamic_sampling_rounds and all_equal:
                 dropped.append(group)
             else:
@@ -362,7 +404,33 @@ def collect_rollouts(engine, workers, dataset, tokenizer, cfg, step, par):
             break
     filled = dropped[: max(0, len(items) - len(kept))]
     groups = kept[: len(items)] + filled
-    return [s for group in groups for s in group], errors, len(dropped) - len(filled)
+    return [s for group in groups for s in group], errors, dict(groups_dropped=len(dropped) - len(filled))
+
+
+def partial_rollouts(engine, workers, dataset, tokenizer, in_flight, cfg, step, dp_rank, dp):
+    """--partial_rollouts, on the engine's rank: the groups this step trains, scored; why failed reward_fn calls
+    failed; and how many responses stay in flight. The step admits prompts until two batches of groups are in
+    flight (the first step two batches, each later one), then generates rounds of at most --round_tokens a response
+    under its own policy until a batch of groups has ended, and every group --max_staleness steps old among them.
+    It trains the oldest groups that ended; the others go on in the next step (docs/losses.md: partial rollouts)."""
+    per_rank = cfg.prompts_per_step // dp
+    while len(in_flight.groups) < 2 * per_rank:
+        for item in step_items(dataset, in_flight.next_batch, cfg, dp_rank, dp):
+            prompt_ids = reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)
+            in_flight.groups.append(Group(item, [Sample(prompt_ids) for _ in range(cfg.group_size)], step))
+        in_flight.next_batch += 1
+    for generation_round in itertools.count():  # a round at least: the batch just admitted starts
+        seed = hash((cfg.seed, step, generation_round, dp_rank))
+        running = in_flight.running()
+        generate_turn(engine, workers, tokenizer, running, cfg, seed, cfg.temperature, cfg.round_tokens, step)
+        if len(in_flight.ended()) >= per_rank and not in_flight.due(step, cfg.max_staleness):
+            break
+    # Oldest first, so the groups due are among them: with two batches in flight, at most one batch is due.
+    trained = in_flight.ended()[:per_rank]
+    in_flight.remove(trained)
+    samples = [s for g in trained for s in g.samples]
+    errors = score_samples(samples, [g.item for g in trained for _ in g.samples], workers, tokenizer, cfg)
+    return samples, errors, len(in_flight.running())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -382,21 +450,37 @@ def group_advantages(rewards, group_size, scale_std=True, eps=1e-6, std=None):
     return centred.masked_fill(all_equal, 0.0).view(-1)  # equal rewards: no signal, 0
 
 
+def rloo_advantages(rewards, group_size):
+    """RLOO's (Ahmadian et al. 2024; verl's and TRL's): r less the mean of the group's G - 1 other rewards, which is
+    G / (G - 1) x (r - group mean); a group of equal rewards gets exactly 0."""
+    r = rewards.view(-1, group_size).double()
+    others = (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    all_equal = (r == r[:, :1]).all(1, keepdim=True)
+    return (r - others).masked_fill(all_equal, 0.0).view(-1)
+
+
 def set_advantages(samples, cfg, dp_group=None):
-    """Group advantages; --std_of batch divides by the unbiased std of every rank's rewards, gathered over dp (as
-    TRL's scale_rewards="batch"). --kl_in_reward subtracts beta x summed KL, centred, not std-scaled (that would
-    cancel beta)."""
-    rewards = torch.tensor([s.reward for s in samples])
+    """Each sample's advantage from the shaped rewards: --advantage grpo's group_advantages (--std_of batch divides
+    by the unbiased std of every rank's rewards, gathered over dp, as TRL's scale_rewards="batch") or rloo's.
+    --kl_in_reward subtracts beta x summed KL, through the same baseline but never std-scaled (that would cancel
+    beta)."""
+    rewards = torch.tensor([s.shaped_reward for s in samples])
     std = None
     if cfg.std_of == "batch":
         every_rank = [torch.zeros_like(rewards) for _ in range(dist.get_world_size(dp_group))]
         dist.all_gather(every_rank, rewards, group=dp_group)  # a TP group's ranks hold the same samples: one of them
         std = torch.cat(every_rank).double().std()
-    advantages = group_advantages(rewards, cfg.group_size, cfg.scale_std, std=std)
+    if cfg.advantage == "rloo":
+        advantages = rloo_advantages(rewards, cfg.group_size)
+    else:
+        advantages = group_advantages(rewards, cfg.group_size, cfg.scale_std, std=std)
     if cfg.kl_in_reward:
         kl_of = KL_ESTIMATORS[cfg.kl_estimator]
-        kl = torch.stack([kl_of(s.old_logprobs - s.ref_logprobs).sum() for s in samples])
-        advantages -= cfg.beta * group_advantages(kl.cpu(), cfg.group_size, scale_std=False)
+        kl = torch.stack([kl_of(s.old_logprobs - s.ref_logprobs).sum() for s in samples]).cpu()
+        centred = group_advantages(kl, cfg.group_size, scale_std=False)
+        if cfg.advantage == "rloo":
+            centred = rloo_advantages(kl, cfg.group_size)
+        advantages -= cfg.beta * centred
     for sample, advantage in zip(samples, advantages.tolist()):
         sample.advantage = advantage
 
@@ -432,7 +516,7 @@ def policy_logprobs(model, samples, cfg, par):
     """The model's log-probs of each sample's sampled response tokens, without grad: a tensor per sample, in the
     samples' order (micro-batches by token budget sort them by length)."""
     by_sample = {}
-    for batch in micro_batches(samples, cfg, par.world_group):
+    for batch in launch.micro_batches(samples, cfg, par.world_group):
         logp = response_logprobs(model, batch, cfg, par.mesh["tp"])[0]
         for sample, values in zip(batch, logp.split([s.num_sampled for s in batch])):
             by_sample[id(sample)] = values
@@ -454,7 +538,7 @@ def reference_logprobs(model, ref_model, samples, cfg, par):
 
 
 def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy=None, is_weights=None, lengths=None):
-    """Per-token PG term (clip or CISPO) x is_weights, + beta KL, - entropy bonus, summed with weights; metric sums."""
+    """Per-token PG term (--objective's) x is_weights, + beta KL, - entropy bonus, summed with weights; metric sums."""
     log_ratio = (logp - old_logp).clamp(-20, 20)  # as verl: exp overflows above ~88, and one token would skip a step
     if cfg.ratio_level == "sequence":
         # GSPO-token: the value s_i = exp(the response's mean log ratio), the gradient s_i x d log p.
@@ -470,6 +554,14 @@ def policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp=None, entropy
         # mask); the rest the policy gradient weighted by the detached ratio, as verl's dppo_tv / dppo_kl.
         clip_mask = dppo_mask(logp.detach(), old_logp, advantages, cfg)
         per_token = (-ratio.detach() * advantages * logp).masked_fill(clip_mask, 0.0)
+    elif cfg.objective == "sapo":
+        # SAPO: a soft gate in place of the clip, f(r) = sigmoid(tau (r - 1)) x 4 / tau, whose slope 4 s (1 - s) is 1
+        # at r = 1 and fades as r leaves it; tau by the advantage's sign, as TRL's. clip_frac: slopes below 1/2.
+        temperature = torch.full_like(advantages, cfg.sapo_temperature_neg)
+        temperature = temperature.masked_fill(advantages > 0, cfg.sapo_temperature_pos)  # in advantages' dtype
+        gate = torch.sigmoid(temperature * (ratio - 1))
+        per_token = -gate * 4 / temperature * advantages
+        clip_mask = 4 * gate.detach() * (1 - gate.detach()) < 0.5
     else:
         unclipped = ratio * advantages
         clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * advantages
@@ -510,10 +602,15 @@ def dppo_mask(logp, old_logp, advantages, cfg):
     return torch.where(advantages > 0, up, down)
 
 
-def engine_mismatch(trainer_logp, engine_logp, cfg, lengths):
-    """IS weights, r = p_trainer / p_engine (None at --tis_cap 0); sums of |log r|, k3 KL (bad pushes show), masks."""
+def engine_mismatch(trainer_logp, engine_logp, cfg, lengths, fresh=None):
+    """IS weights, r = p_trainer / p_engine (None at --tis_cap 0), p_engine that of the policy that sampled each
+    token; sums of |log r| and k3 KL over the tokens the engine's current weights sampled (all, or `fresh`: a bad
+    push shows), and of |log r| over the older ones (--partial_rollouts: the policy's drift since); masks."""
     log_ratio = trainer_logp - engine_logp
-    sums = {"mismatch_abs": log_ratio.abs().sum(), "mismatch_kl": KL_ESTIMATORS["k3"](-log_ratio).sum()}
+    current = log_ratio if fresh is None else log_ratio[fresh]
+    sums = {"mismatch_abs": current.abs().sum(), "mismatch_kl": KL_ESTIMATORS["k3"](-current).sum()}
+    if fresh is not None:
+        sums.update(fresh=fresh.sum(), stale_mismatch_abs=log_ratio[~fresh].abs().sum())
     if cfg.tis_cap == 0:
         return None, sums
     if cfg.is_level == "sequence":
@@ -541,32 +638,13 @@ def set_loss_weights(samples, cfg, dp_group):
             s.loss_weight = dp / (cfg.max_new_tokens * sequences)
 
 
-def micro_batches(samples, cfg, group):
-    """--micro_batch_size each, or packed to --max_tokens_per_microbatch; equal count on all ranks (collectives)."""
-    if cfg.max_tokens_per_microbatch == 0:
-        return [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
-    batches = []
-    longest = 0  # the length of the last micro-batch's first sequence
-    for sample in sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids), reverse=True):
-        if batches and (len(batches[-1]) + 1) * longest <= cfg.max_tokens_per_microbatch:
-            batches[-1].append(sample)
-        else:
-            batches.append([sample])
-            longest = len(sample.prompt_ids) + len(sample.response_ids)
-    count = torch.tensor(len(batches))
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    while len(batches) < count:
-        largest = batches.pop(max(range(len(batches)), key=lambda i: len(batches[i])))
-        batches += [largest[: len(largest) // 2], largest[len(largest) // 2 :]]
-    return batches
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The update
 
 
-def train_on_rollouts(model, optimizer, samples, cfg, par):
-    """--num_minibatches steps, the ratio against old_logprobs where stored, else on-policy; metric sums."""
+def train_on_rollouts(model, optimizer, samples, cfg, par, version=0):
+    """--num_minibatches steps, the ratio against old_logprobs where stored, else on-policy; metric sums. `version`:
+    the step, whose policy sampled the fresh tokens (--partial_rollouts)."""
     token_sums = defaultdict(float)  # same keys, same order on every rank
     maxima = defaultdict(float)
     device = model.device
@@ -574,7 +652,7 @@ def train_on_rollouts(model, optimizer, samples, cfg, par):
     for start in range(0, len(samples), per_minibatch):
         minibatch = samples[start : start + per_minibatch]
         set_loss_weights(minibatch, cfg, par.dp_group)
-        for batch in micro_batches(minibatch, cfg, par.world_group):
+        for batch in launch.micro_batches(minibatch, cfg, par.world_group):
             logp, entropy, log_kept_mass = response_logprobs(model, batch, cfg, par.mesh["tp"])
             if batch[0].old_logprobs is None:  # the policy that sampled them: the ratio is 1
                 old_logp = logp.detach()
@@ -584,7 +662,10 @@ def train_on_rollouts(model, optimizer, samples, cfg, par):
             advantages = torch.tensor([s.advantage for s in batch], device=device).repeat_interleave(lengths)
             weights = torch.tensor([s.loss_weight for s in batch], device=device).repeat_interleave(lengths)
             engine_logp = torch.cat([s.engine_logprobs for s in batch]).to(device)
-            is_weights, mismatch = engine_mismatch(old_logp, engine_logp, cfg, lengths)
+            fresh = None
+            if cfg.partial_rollouts:  # the tokens this step's policy sampled
+                fresh = torch.cat([s.versions for s in batch]).to(device) == version
+            is_weights, mismatch = engine_mismatch(old_logp, engine_logp, cfg, lengths, fresh)
             ref_logp = None
             if cfg.beta > 0:
                 ref_logp = torch.cat([s.ref_logprobs for s in batch]).to(device)
@@ -594,28 +675,13 @@ def train_on_rollouts(model, optimizer, samples, cfg, par):
                 stats["log_kept_mass"] = log_kept_mass.detach().sum()
             for key, value in {**stats, **mismatch}.items():
                 token_sums[key] += value
-        grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
+        grad_norm = launch.clip_grad_norm(model, cfg.max_grad_norm)
         if math.isfinite(grad_norm):  # a step with a non-finite norm is skipped, and counted
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         maxima["skipped_steps"] += not math.isfinite(grad_norm)  # the norm is global: equal on every rank
         maxima["grad_norm"] += grad_norm / cfg.num_minibatches
     return token_sums, maxima
-
-
-def clip_grad_norm(model, max_norm):
-    """The gradients' global norm, and with --max_grad_norm above 0 the gradients scaled to at most that when it is
-    finite. A norm per mesh, then combined: clip_grad_norm_ cannot mix dp's and (dp, tp)'s DTensors."""
-    by_mesh = defaultdict(list)
-    for param in model.parameters():
-        if param.grad is not None:
-            by_mesh[param.grad.device_mesh].append(param.grad)
-    squares = [torch.nn.utils.get_total_norm(grads).full_tensor().item() ** 2 for grads in by_mesh.values()]
-    norm = math.sqrt(sum(squares))
-    if 0 < max_norm < norm < math.inf:
-        for grads in by_mesh.values():
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
-    return norm
 
 
 def lr_factor(step, cfg):
@@ -630,34 +696,54 @@ def lr_factor(step, cfg):
 # Metrics, logging and evaluation
 
 
-def step_metrics(samples, token_sums, maxima, errors, dropped, cfg, par):
-    """The step's metrics over all ranks: sums per sampled token, means per sample, counts, and maxima."""
+def step_metrics(samples, token_sums, maxima, errors, rollout_counts, cfg, par, version=0):
+    """The step's metrics over all ranks: sums per sampled token, means per sample, counts, and maxima. `version`:
+    the step, whose policy sampled the fresh tokens (--partial_rollouts)."""
     lengths = [s.num_sampled for s in samples]  # tool output is not counted
     failures = [reward.tool_failure(output) for s in samples for output in s.tool_outputs]
-    rewards = torch.tensor([s.reward for s in samples]).view(-1, cfg.group_size)
+    rewards = torch.tensor([s.shaped_reward for s in samples]).view(-1, cfg.group_size)
     counts = dict(
         groups=len(rewards),
         zero_std_groups=(rewards == rewards[:, :1]).all(1).sum(),  # all rewards equal: no advantage, no gradient
         samples=len(samples),
         tokens=sum(lengths),
         reward_errors=len(errors),
-        groups_dropped=dropped,
+        **rollout_counts,
         tool_errors=failures.count("error"),
         tool_timeouts=failures.count("timeout"),
     )
     sample_sums = dict(
-        reward=sum(s.score for s in samples),
-        accuracy=sum(s.score >= 1 for s in samples),
+        reward=sum(s.reward for s in samples),
+        shaped_reward=sum(s.shaped_reward for s in samples),
+        accuracy=sum(s.reward >= 1 for s in samples),
         response_len=sum(lengths),
         truncated=sum(s.truncated for s in samples),
         turns=sum(len(s.tool_outputs) + sum(s.sampled[-1:]) for s in samples),  # a turn per output, and the last
         tool_calls=len(failures),
         tool_use=sum(bool(s.tool_outputs) for s in samples),
     )
-    totals = launch.sum_over_world({**token_sums, **sample_sums, **counts}, par)
+    if cfg.partial_rollouts:  # how old the trained tokens are, and how many policies sampled each response
+        staleness = version - torch.cat([s.versions for s in samples])
+        token_sums = dict(token_sums, staleness_mean=staleness.sum())
+        spans = [len(set(s.versions.tolist())) for s in samples]
+        sample_sums["versions_per_response"] = sum(spans)
+        maxima = dict(maxima, staleness_max=max(staleness.tolist(), default=0), versions_per_response_max=max(spans))
+    squares = {}
+    for name in samples[0].terms:  # reward_fn's terms, in the same order on every rank
+        terms = [s.terms[name] for s in samples]
+        sample_sums[f"reward/{name}"] = sum(terms)
+        squares[f"reward/{name}/std"] = sum(term * term for term in terms)
+    totals = launch.sum_over_world({**token_sums, **sample_sums, **squares, **counts}, par)
     metrics = {key: totals[key] / max(totals["tokens"], 1) for key in token_sums}
     metrics |= {key: totals[key] / totals["samples"] for key in sample_sums}
+    for key in squares:  # over the step's samples
+        variance = totals[key] / totals["samples"] - metrics[key.removesuffix("/std")] ** 2
+        metrics[key] = math.sqrt(max(variance, 0.0))
     metrics |= {key: totals[key] for key in counts}
+    if cfg.partial_rollouts:  # the push canary over the tokens the current weights sampled; the older ones apart
+        metrics["mismatch_abs"] = totals["mismatch_abs"] / max(totals["fresh"], 1)
+        metrics["mismatch_kl"] = totals["mismatch_kl"] / max(totals["fresh"], 1)
+        metrics["stale_mismatch_abs"] = totals["stale_mismatch_abs"] / max(totals["tokens"] - totals["fresh"], 1)
     metrics["frac_reward_zero_std"] = totals["zero_std_groups"] / totals["groups"]  # as TRL names it
     maxima = dict(maxima, response_len_max=max(lengths))
     peaks = torch.tensor(list(maxima.values()), dtype=torch.float64)
@@ -688,6 +774,7 @@ STEP_LINE = [
     "lr {lr:.0e}",
     "| {time_step:.1f}s (gen {time_rollout:.1f} train {time_train:.1f} push {time_push:.1f})",
     "eta {eta}",
+    "| stale {staleness_mean:.2f} max {staleness_max:.0f}",  # with --partial_rollouts
     "| tool {tool_calls:.1f}/sample",  # with --tool
     "| reward_errors {reward_errors:.0f}",  # when there are some
     "| skipped_steps {skipped_steps:.0f}",  # when there are some
@@ -703,17 +790,12 @@ def step_line(step, metrics, cfg):
             terms.append(f"{key[7:]} {value:.2f}")
     if len(terms) > 1:
         shown["reward_terms"] = " ".join(terms)
-    hidden = [key for key in ("reward_errors", "skipped_steps") if not metrics[key]]
+    hidden = [key for key in ("reward_errors", "skipped_steps") if not metrics.get(key)]
     if cfg.beta == 0:
         hidden.append("kl")  # only where --beta gives it a meaning
     if not cfg.tool:
         hidden.append("tool_calls")
-    parts = []
-    for part in STEP_LINE:
-        keys = [key for _, key, _, _ in string.Formatter().parse(part) if key]
-        if all(key in shown and key not in hidden for key in keys):
-            parts.append(part.format(**shown))
-    return " ".join(parts)
+    return launch.format_parts(STEP_LINE, {key: shown[key] for key in shown if key not in hidden})
 
 
 def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
@@ -726,7 +808,8 @@ def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
     checkpoint.append_metrics(cfg.out_dir, step + 1, metrics)
     if cfg.sample_every > 0 and (step == 0 or (step + 1) % cfg.sample_every == 0):
         text = tokenizer.decode(sample.prompt_ids) + tokenizer.decode(sample.response_ids)  # wandb keeps the console
-        print(f"  sample (reward {sample.reward:.3f}):\n{text}", flush=True)
+        shaped = f", shaped {sample.shaped_reward:.3f}" if sample.shaped_reward != sample.reward else ""
+        print(f"  sample (reward {sample.reward:.3f}{shaped}):\n{text}", flush=True)
     if wandb_run is not None:
         wandb_run.log(metrics, step=step + 1)
 
@@ -741,7 +824,7 @@ def evaluate(engine, tokenizer, test_set, workers, cfg, par):
 
     def solved(n, temperature):  # [len(items), n]: reward 1.0; a rank without items (more ranks than prompts): [0, n]
         samples, _ = launch.on_first_rank(par.tp_group, generate, temperature, n)
-        return torch.tensor([s.score for s in samples]).view(-1, n) >= 1
+        return torch.tensor([s.reward for s in samples]).view(-1, n) >= 1
 
     sampled = solved(cfg.eval_k, cfg.eval_temperature)
     greedy = solved(1, 0.0)
@@ -773,6 +856,10 @@ def main():
     launch.on_first_rank(par.world_group, checkpoint.check_sources, cfg)  # --model, --data_path: there to read?
     train_set = PromptDataset(cfg, "train")
     test_set = PromptDataset(cfg, "test") if cfg.eval_every > 0 else None  # no evaluation needs no test split
+    terms = train_set.reward_terms  # the names of reward_fn's terms, where it returns a dict of them
+    unknown = sorted(flags.named_numbers(cfg, "reward_weights").keys() - set(terms))
+    if unknown:  # reward_fn returned no such term on any of the items tried
+        raise SystemExit(f"--reward_weights weighs {unknown[0]!r}, which reward_fn does not return (only {terms})")
     tokenizer, model_config = checkpoint.load_tokenizer_and_config(cfg, [*train_set, *(test_set or [])])
     files = [None]  # --model tiny: random weights
     if cfg.model != "tiny":
@@ -804,11 +891,12 @@ def main():
         engines.check_pushed_names(model, model_config)
         # Before any forward: FSDP2 then leaves root parameters unsharded, and an optimizer would hold stale tensors.
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # frozen: no state
+        in_flight = InFlight([], next_batch=start_step)  # --partial_rollouts: the groups this rank's engine holds
         if resumed_from:
-            checkpoint.resume(resumed_from, model, optimizer)
+            in_flight = checkpoint.resume(resumed_from, model, optimizer, cfg, par.world_group) or in_flight
         # Forked before the engine and the signal handlers exist. Rank 0 shows the first failed call's traceback.
         reward_workers = sandbox.RewardWorkers(
-            reward.reward_fn, cfg.reward_workers, cfg.reward_timeout, show_first_error=rank == 0
+            reward.reward_fn, cfg.reward_workers, cfg.reward_timeout, terms, show_first_error=rank == 0
         )
         engines.free_gpu_cache(par.tp_group)  # SGLang sizes itself from the free memory it sees at start
         engine = engines.start_engine(cfg, model_config, par, device)
@@ -819,9 +907,11 @@ def main():
         run_start = time.perf_counter()
         said_no_signal = False
         for step in range(start_step, cfg.steps):
-            # Generate and reward G samples per prompt (dynamic sampling: maybe more rounds).
+            # Generate and reward G samples per prompt (dynamic sampling: maybe more rounds; partial rollouts: the
+            # groups that ended, the rest in flight).
             start = time.perf_counter()
-            samples, errors, dropped = collect_rollouts(engine, reward_workers, train_set, tokenizer, cfg, step, par)
+            rollouts = (engine, reward_workers, train_set, tokenizer, in_flight, cfg, step, par)
+            samples, errors, counts = collect_rollouts(*rollouts)
             engine.release_memory()
             rollout_done = time.perf_counter()
             # Log-probs before the update. The first mini-batch is trained on the policy that sampled it, whose
@@ -840,13 +930,13 @@ def main():
             # Loss and update, the learning rate a function of the step (the flags', not a checkpoint's).
             for group in optimizer.param_groups:
                 group.update(lr=cfg.lr * lr_factor(step, cfg), weight_decay=cfg.weight_decay)
-            token_sums, maxima = train_on_rollouts(model, optimizer, samples, cfg, par)
+            token_sums, maxima = train_on_rollouts(model, optimizer, samples, cfg, par, step)
             train_done = time.perf_counter()
             # The new weights into the engine.
             engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
             end = time.perf_counter()
             # Log, evaluate, save.
-            metrics = step_metrics(samples, token_sums, maxima, errors, dropped, cfg, par)
+            metrics = step_metrics(samples, token_sums, maxima, errors, counts, cfg, par, step)
             metrics.update(time_rollout=rollout_done - start, time_train=train_done - rollout_done)
             metrics.update(time_push=end - train_done, time_step=end - start, lr=optimizer.param_groups[0]["lr"])
             metrics["eta_s"] = (end - run_start) / (step + 1 - start_step) * (cfg.steps - step - 1)  # rank 0's
@@ -866,7 +956,7 @@ def main():
                 with launch.announce(f"saving the checkpoint of step {step + 1}", rank):
                     weights = engines.full_weights(model, torch.float32)
                     path = checkpoint.save(
-                        cfg, step + 1, model, optimizer, tokenizer, weights, wandb_id, par.world_group
+                        cfg, step + 1, model, optimizer, tokenizer, weights, wandb_id, par.world_group, in_flight
                     )
             if stopping:
                 break

@@ -94,10 +94,10 @@ def padding_fractions():
     g = torch.Generator().manual_seed(0)  # responses of 200 to 2,000 tokens: lengths vary 10x
     lengths = [int(torch.randint(200, 2001, (1,), generator=g)) for _ in range(64)]
     samples = [train.Sample([1] * 100, [2] * n, [True] * n) for n in lengths]
-    fixed = train.micro_batches(samples, train.Config(micro_batch_size=8), None)  # no collective: no group
+    fixed = launch.micro_batches(samples, train.Config(micro_batch_size=8), None)  # no collective: no group
     budget = run_ranks(
         lambda rank, world: padding(
-            train.micro_batches(samples, train.Config(max_tokens_per_microbatch=8 * 2100), dist.group.WORLD)
+            launch.micro_batches(samples, train.Config(max_tokens_per_microbatch=8 * 2100), dist.group.WORLD)
         ),
         1,
     )[0]

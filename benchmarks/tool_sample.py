@@ -66,7 +66,7 @@ def main():
         runs = sum(len(s.tool_outputs) for s in samples)
         print(
             f"{len(samples)} samples in {seconds:.2f} s; {len(used)} ran code, {runs} runs; "
-            f"reward {sum(s.score for s in samples) / len(samples):.2f}"
+            f"reward {sum(s.reward for s in samples) / len(samples):.2f}"
         )
         for s in used[:1] or samples[:1]:
             print("prompt ids:", s.prompt_ids)

@@ -544,6 +544,14 @@ def test_a_mistyped_flag_is_one_line_naming_the_nearest_flag(flags, said, capsys
         (dict(objective="dppo_kl", dppo_kl_delta=math.nan), 1, "--dppo_kl_delta"),
         (dict(objective="dppo_kl", ratio_level="sequence"), 1, "--objective dppo_kl masks tokens .* --ratio_level"),
         (dict(std_of="batch", scale_std=False), 1, "--std_of batch is the std that --scale_std divides by"),
+        (dict(advantage="rloo"), 1, "--advantage rloo is not divided by a std .* add --scale_std false"),
+        (dict(objective="sapo", sapo_temperature_pos=0.0), 1, "--sapo_temperature_pos must be a number above 0"),
+        (dict(sapo_temperature_neg=math.inf), 1, "--sapo_temperature_neg must be a number above 0, not inf"),
+        (dict(reward_weights="format"), 1, "--reward_weights format: give name=number pairs separated by commas"),
+        (dict(reward_weights="format=high"), 1, "--reward_weights format=high: give name=number pairs"),
+        (dict(reward_weights="a=1,b=nan"), 1, "--reward_weights a=1,b=nan: each number must be finite"),
+        (dict(group_size=1), 1, "--group_size must be a number from 2 up, not 1"),
+        (dict(lora_alpha=0.0), 1, "--lora_alpha must be a number above 0, not 0.0"),
     ],
 )
 def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):
@@ -589,6 +597,9 @@ def test_check_config_accepts_valid_configs():
     train.check_config(train.Config(tp=2), world=8)  # dp 4: 8 prompts, 64 samples a rank
     train.check_config(train.Config(prompts_per_step=8, group_size=3, num_minibatches=4), world=2)
     train.check_config(train.Config(objective="dppo_kl", std_of="batch", scale_std=True), world=2)
+    train.check_config(train.Config(advantage="rloo", scale_std=False, objective="sapo"), world=1)
+    cfg = train.Config(reward_weights="correct=1, format=0.25,")  # spaces and a trailing comma are fine
+    assert flags.named_numbers(train.check_config(cfg, world=1), "reward_weights") == {"correct": 1.0, "format": 0.25}
 
 
 def test_prompts_that_leave_no_room_for_max_new_tokens_stop_the_run_naming_the_flag_and_the_bound():
@@ -615,7 +626,7 @@ def test_reference_answers_that_do_not_parse_are_none_and_counted_in_a_printed_w
     items = [{"prompt": "q", "task": "gsm8k", "answer": reward.gsm8k_answer(r)} for r in references]
     items.append({"prompt": "q", "task": "math", "answer": reward.last_boxed("no boxed answer")})  # None
     assert [reward.reward_fn("\\boxed{72}", item) for item in items] == [1.0, 0.0, 0.0, 0.0, 0.0]  # None: 0, no raise
-    assert reward.check_items(items, "train") is None
+    assert reward.check_items(items, "train") == ()  # reward_fn returns numbers: no named terms
     assert capsys.readouterr().out == (
         "warning: 3 of 5 train items have a reference answer that does not parse, so "
         "every reward on them is 0; the first is item 2\n"

@@ -156,7 +156,7 @@ def push_then_generate(rank, world, folder, dp, tp):
     with torch.no_grad():
         trainer_logp, _, _ = train.response_logprobs(model, samples, cfg, par.mesh["tp"])
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-    scores_right = errors == [] and [s.score for s in samples] == [
+    scores_right = errors == [] and [s.reward for s in samples] == [
         reward.toy_reward(text, item["target"]) for text, item in zip(texts, repeated)
     ]
     engine_logp = torch.tensor([lp for s in samples for lp in s.engine_logprobs])
@@ -234,9 +234,9 @@ def test_score_samples_shapes_each_reward_by_the_overlong_penalty_and_flags_what
     finally:
         workers.close()
     scores = [reward.reward_fn(tokenizer.decode(r, skip_special_tokens=True), items[0]) for r in responses]
-    assert errors == [] and [s.score for s in samples] == scores and scores[0] != scores[1]
+    assert errors == [] and [s.reward for s in samples] == scores and scores[0] != scores[1]
     # DAPO's penalty over the last 4 of 10 tokens: 0 up to 6 tokens, (8 - 6) / 4 = 0.5 off at 8, 1 off at 10
-    assert [s.reward for s in samples] == pytest.approx([scores[0], scores[1] - 0.5, scores[2] - 1.0])
+    assert [s.shaped_reward for s in samples] == pytest.approx([scores[0], scores[1] - 0.5, scores[2] - 1.0])
     assert [s.truncated for s in samples] == [False, False, True]
 
 
@@ -260,7 +260,7 @@ def collect(rank, world, dataset, rounds, overlong_buffer):
     )
     workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=5.0)
     try:
-        samples, errors, dropped = train.collect_rollouts(engine, workers, dataset, tokenizer, cfg, 7, par)
+        samples, errors, counts = train.collect_rollouts(engine, workers, dataset, tokenizer, None, cfg, 7, par)
     finally:
         workers.close()
     groups = [samples[i : i + 3] for i in range(0, len(samples), 3)]
@@ -268,25 +268,27 @@ def collect(rank, world, dataset, rounds, overlong_buffer):
     drawn = [train.step_items(dataset, 7, cfg, 0, 1, r) for r in range(rounds + 1)]
     return (
         [[s.prompt_ids for s in g] for g in groups],
-        [[s.score for s in g] for g in groups],
+        [[s.reward for s in g] for g in groups],
         errors,
-        dropped,
+        counts["groups_dropped"],
         [[item["flat"] for item in items] for items in drawn],
-        [s.reward - s.score for s in samples],
+        [[s.shaped_reward for s in g] for g in groups],
     )
 
 
 # With an overlong penalty over all 40 tokens, responses that the random model stops at different lengths are shaped
-# apart: a group is flat by reward_fn's score alone (DAPO), not by the shaped reward.
+# apart: a group is flat by the shaped reward, which advantages are made from, not by reward_fn's alone.
 @pytest.mark.parametrize("flat_share, rounds, overlong_buffer", [(0.5, 0, 0), (0.5, 30, 0), (0.9, 1, 0), (0.5, 30, 40)])
 def test_dynamic_sampling_refills_dropped_groups_and_counts_them(monkeypatch, flat_share, rounds, overlong_buffer):
     monkeypatch.setattr(reward, "reward_fn", informative_or_flat)  # the workers fork with it
     dataset = [{"prompt": f"row {i}", "flat": i < flat_share * 40} for i in range(40)]
-    prompts, scores, errors, dropped, drawn, shaping = run_ranks(collect, 1, dataset, rounds, overlong_buffer)[0]
+    prompts, scores, errors, dropped, drawn, shaped = run_ranks(collect, 1, dataset, rounds, overlong_buffer)[0]
     assert errors == [] and len(prompts) == 4
     assert all(len(g) == 3 and len(set(map(tuple, g))) == 1 for g in prompts)  # groups of one prompt
-    assert not overlong_buffer or len(set(shaping)) > 1  # the penalty did shape lengths apart
     flat = [len(set(g)) == 1 for g in scores]
+    if overlong_buffer:  # every group kept has a signal, and some only from the penalty: flat by reward_fn alone
+        assert not any(len(set(g)) == 1 for g in shaped) and any(flat)
+        return
     # Expected, round by round: informative groups are kept until there are 4; flat ones are dropped, and fill
     # the batch only when the rounds run out.
     kept, seen_flat = 0, 0

@@ -52,6 +52,7 @@ def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_ru
         assert (row, "tiny, 0.0098B parameters") in names, row
     assert [w for r, w in names if r == "logprobs"] == settings
     assert [w for r, w in names if r == "race"] == ["TRL, vLLM colocate", "train.py", "TRL"]
+    assert [w for r, w in names if r == "partial"] == ["synchronous", "partial"]
     for r in table["rows"]:
         if r["what"] == "TRL, vLLM colocate":  # vLLM needs a GPU: the row says so instead of numbers
             assert r["values"] == {} and r["note"] == "not run: vLLM needs a GPU"

@@ -45,7 +45,7 @@ def batch_std_advantages(rank, world, tp, rewards, group_size):
     par = launch.parallel_groups("cpu", tp)
     dp_rank, dp = par.mesh["dp"].get_local_rank(), par.mesh["dp"].size()
     share = len(rewards) // dp
-    samples = [train.Sample([1], reward=r) for r in rewards[dp_rank * share : (dp_rank + 1) * share]]
+    samples = [train.Sample([1], shaped_reward=r) for r in rewards[dp_rank * share : (dp_rank + 1) * share]]
     train.set_advantages(samples, train.Config(group_size=group_size, std_of="batch"), par.dp_group)
     return [s.advantage for s in samples]
 
@@ -221,7 +221,7 @@ def test_advantages_come_from_the_shaped_reward_less_beta_times_the_groups_centr
     old = [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5]), torch.tensor([-3.0, -1.0, -1.0]), torch.tensor([-2.0])]
     ref = [torch.tensor([-1.5, -1.0]), torch.tensor([-0.5]), torch.tensor([-2.0, -2.0, -1.0]), torch.tensor([-1.0])]
     samples = [
-        train.Sample([1], score=score, reward=r, old_logprobs=o, ref_logprobs=f)
+        train.Sample([1], reward=score, shaped_reward=r, old_logprobs=o, ref_logprobs=f)
         for score, r, o, f in zip(scores, rewards, old, ref)
     ]
     train.set_advantages(samples, train.Config(group_size=2, beta=0.5, kl_in_reward=True, kl_estimator="k1"))
@@ -711,6 +711,65 @@ def test_dppo_masks_the_tokens_that_moved_past_its_bound_the_way_their_advantage
         assert logp.grad[t].item() == pytest.approx(w * -keep * a * r, rel=1e-9, abs=1e-15)
     assert loss.item() == pytest.approx(expected, rel=1e-9)
     assert metrics["clip_frac"].item() == masked and 0 < masked < len(logp) // 2
+
+
+@pytest.mark.parametrize("negative", [False, True])
+def test_sapo_replaces_the_clip_by_a_soft_gate_whose_slope_fades_as_the_ratio_leaves_one(negative):
+    """SAPO (Gao et al. 2025, arXiv 2511.20347; TRL's loss_type="sapo"): per token -f(r) A with the gate
+    f(r) = sigmoid(tau (r - 1)) 4 / tau, tau = tau_pos where A > 0 and tau_neg elsewhere. Its gradient in log p is
+    -A r 4 s (1 - s), s = sigmoid(tau (r - 1)): -A at r = 1, fading on either side; the flags' defaults are the
+    paper's and TRL's (1.0, 1.05). clip_frac counts the tokens whose slope 4 s (1 - s) fell below 1/2. Reference:
+    float64 arithmetic in Python."""
+    logp, old, adv, weights, lengths = ragged_tokens(lengths=(6, 11, 4, 9), seed=31)
+    logp = (old + (logp.detach() - old) * 8).requires_grad_()  # ratios far enough from 1 for the gate to fade
+    if negative:
+        adv = -adv
+    cfg = train.Config(objective="sapo")
+    assert (cfg.sapo_temperature_pos, cfg.sapo_temperature_neg) == (1.0, 1.05)
+    loss, metrics = train.policy_loss(logp, old, adv, weights, cfg, lengths=torch.tensor(lengths))
+    loss.backward()
+    expected, faded = 0.0, 0
+    for t in range(len(logp)):
+        r, a, w = math.exp(logp[t].item() - old[t].item()), adv[t].item(), weights[t].item()
+        tau = 1.0 if a > 0 else 1.05
+        s = 1 / (1 + math.exp(-tau * (r - 1)))
+        expected += w * -s * 4 / tau * a
+        assert logp.grad[t].item() == pytest.approx(w * -a * r * 4 * s * (1 - s), rel=1e-9, abs=1e-15)
+        faded += 4 * s * (1 - s) < 0.5
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    assert metrics["clip_frac"].item() == faded and 0 < faded < len(logp)
+    at_one = train.policy_loss(old.clone().requires_grad_(), old, adv, weights, cfg)[0]
+    assert at_one.item() == pytest.approx(sum(-2 / (1.0 if a > 0 else 1.05) * a * w for a, w in zip(adv, weights)))
+
+
+def test_rloo_advantage_is_the_reward_less_the_mean_of_the_groups_other_rewards():
+    """RLOO (Ahmadian et al. 2024; verl's adv_estimator=rloo, TRL's RLOOTrainer): A_i = r_i - 1/(G - 1) sum_{j != i}
+    r_j, with no std; a group of equal rewards 0 exactly. Reference: float64 arithmetic in Python."""
+    rewards = [1.0, 0.0, 0.5, 0.25, 0.1, 0.1, 0.1, 0.1, 2.0, -1.0, 0.0, 3.0]
+    adv = train.rloo_advantages(torch.tensor(rewards), 4).tolist()
+    for g in range(3):
+        group = rewards[4 * g : 4 * g + 4]
+        for i, r in enumerate(group):
+            others = [x for j, x in enumerate(group) if j != i]
+            assert adv[4 * g + i] == pytest.approx(r - sum(others) / 3, rel=1e-12, abs=1e-15)
+    assert adv[4:8] == [0.0] * 4  # 0.1 four times: float32's remainder would have pushed on nothing
+
+
+def test_rloo_with_the_kl_in_the_reward_takes_the_same_leave_one_out_baseline_off_beta_times_the_kl():
+    """--advantage rloo --kl_in_reward: the advantage of the reward less beta x the summed KL, both through RLOO's
+    baseline (the reward penalised first, as TRL's RLOO): A_i = (r_i - beta k_i) - mean_{j != i} (r_j - beta k_j)."""
+    g = torch.Generator().manual_seed(4)
+    rewards = [0.0, 1.0, 1.0, 0.5, 0.2, 0.2, 0.2, 0.2]
+    old = [torch.randn(n, generator=g, dtype=torch.float64) - 2 for n in (3, 5, 2, 4, 6, 1, 3, 2)]
+    ref = [o + torch.randn(len(o), generator=g, dtype=torch.float64) * 0.3 for o in old]
+    samples = [train.Sample([1], shaped_reward=r, old_logprobs=o, ref_logprobs=f) for r, o, f in zip(rewards, old, ref)]
+    cfg = train.Config(group_size=4, beta=0.5, kl_in_reward=True, kl_estimator="k1", advantage="rloo", scale_std=False)
+    train.set_advantages(samples, cfg)
+    penalised = [r - 0.5 * (o - f).sum().item() for r, o, f in zip(rewards, old, ref)]
+    for i, s in enumerate(samples):
+        group = penalised[i // 4 * 4 : i // 4 * 4 + 4]
+        others = [x for j, x in enumerate(group) if j != i % 4]
+        assert s.advantage == pytest.approx(penalised[i] - sum(others) / 3, rel=1e-9)
 
 
 @pytest.mark.parametrize("level, cap", [("token", 1.5), ("sequence", 1.1)])  # a response's mean strays less

@@ -2,6 +2,8 @@
 after a step (so the gradients), and the gathered full state dict, on meshes (2,1), (1,2), (2,2); micro-batches,
 fixed or by token budget, against the whole batch."""
 
+import statistics
+
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -229,7 +231,7 @@ def tool_output_gradients(rank, world, folder, tp):
     token_sums, maxima = train.train_on_rollouts(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample], cfg, par)
     start = len(sample.prompt_ids) - 1  # the position that predicts the first response token
     grads = hidden["out"].grad[0, start : start + len(sample.response_ids)].abs().amax(-1)
-    metrics = train.step_metrics([sample], token_sums, maxima, [], 0, train.Config(group_size=1), par)
+    metrics = train.step_metrics([sample], token_sums, maxima, [], {}, train.Config(group_size=1), par)
     return grads.tolist(), sample.sampled, (metrics["tokens"], metrics["response_len"], metrics["response_len_max"])
 
 
@@ -281,7 +283,7 @@ def budget_batches(rank, world, budget):
     lengths = [int(torch.randint(5, 50 if rank else 15, (1,), generator=g)) for _ in range(16)]
     samples = [train.Sample([1] * 5, [2] * n, [True] * n) for n in lengths]
     par = launch.parallel_groups("cpu", 1)
-    batches = train.micro_batches(samples, train.Config(max_tokens_per_microbatch=budget), par.world_group)
+    batches = launch.micro_batches(samples, train.Config(max_tokens_per_microbatch=budget), par.world_group)
     return lengths_of([samples]), lengths_of(batches)
 
 
@@ -321,7 +323,7 @@ def test_token_budget_cuts_padding_when_lengths_vary_tenfold():
     def fixed_and_budgeted(rank, world):
         group = launch.parallel_groups("cpu", 1).world_group
         return [
-            padding_fraction(lengths_of(train.micro_batches(samples, cfg, group)))
+            padding_fraction(lengths_of(launch.micro_batches(samples, cfg, group)))
             for cfg in (train.Config(micro_batch_size=8), train.Config(max_tokens_per_microbatch=8 * 210))
         ]
 
@@ -373,7 +375,7 @@ def with_a_new_statistic(rank, world, folder, tp):
     samples = make_samples(6 // (world // tp), seed=rank // tp)  # each dp rank its own; a TP group the same
     cfg = train.Config(micro_batch_size=2, num_minibatches=2)
     token_sums, maxima = train.train_on_rollouts(model, torch.optim.SGD(model.parameters(), lr=0.0), samples, cfg, par)
-    metrics = train.step_metrics(samples, token_sums, maxima, [], 0, train.Config(group_size=3), par)
+    metrics = train.step_metrics(samples, token_sums, maxima, [], {}, train.Config(group_size=3), par)
     lengths = [sum(s.sampled) for s in samples]
     return metrics["weight_x1000"], metrics["tokens"], [s.loss_weight for s in samples], lengths
 
@@ -386,3 +388,33 @@ def test_a_statistic_added_to_the_loss_is_logged_as_its_mean_per_sampled_token(d
     per_rank = [sum(1000 * w * n for w, n in zip(weights, lengths)) for _, _, weights, lengths in results[::tp]]
     assert tokens == sum(sum(lengths) for *_, lengths in results[::tp])
     assert logged == pytest.approx(sum(per_rank) / tokens, rel=1e-6) and logged > 0  # float32 sums
+
+
+def reward_term_metrics(rank, world, terms):
+    """step_metrics of this rank's share of samples, each with reward_fn's terms and the reward they sum to."""
+    par = launch.parallel_groups("cpu", 1)
+    samples = []
+    for correct, bonus in terms[rank]:
+        sample = train.Sample([1], [5], [True], reward=correct + 0.5 * bonus, terms=dict(correct=correct, bonus=bonus))
+        samples.append(sample)
+    return train.step_metrics(samples, {}, {}, [], {}, train.Config(group_size=2), par)
+
+
+def test_each_reward_term_is_logged_as_its_mean_and_std_over_the_steps_samples_on_every_rank():
+    """A reward_fn that returns {"correct": ..., "bonus": ...}: metrics.jsonl has reward/correct and reward/bonus,
+    the means over the step's samples on both ranks, and their standard deviations (of the whole step's samples,
+    not the mean of the ranks'); reward stays the mean of the weighted sum. Reference: Python's statistics."""
+    terms = [[(1.0, 0.0), (0.0, 1.0)], [(1.0, 1.0), (1.0, 1.0), (0.0, 0.5), (0.0, 0.0)]]
+    logged = run_ranks(reward_term_metrics, 2, terms)
+    every = [pair for rank in terms for pair in rank]
+    for metrics in logged:
+        for i, name in enumerate(("correct", "bonus")):
+            values = [pair[i] for pair in every]
+            assert metrics[f"reward/{name}"] == pytest.approx(statistics.mean(values))
+            assert metrics[f"reward/{name}/std"] == pytest.approx(statistics.pstdev(values))
+        assert metrics["reward"] == pytest.approx(statistics.mean(c + 0.5 * b for c, b in every))
+    line = train.step_line(0, dict(logged[0], lr=1e-6, eta_s=0.0, **dict.fromkeys(TIMES, 0.1)), train.Config())
+    assert " acc 0.50 [correct 0.50 bonus 0.58] | len " in line  # the means, 3 / 6 and 3.5 / 6
+
+
+TIMES = ("time_step", "time_rollout", "time_train", "time_push")

@@ -184,9 +184,9 @@ def test_reward_terms_are_scored_by_name_and_a_hostile_term_scores_zero_and_is_c
     rest of its dict counts; an unknown term is left out; a return that is no dict, or a call that fails, scores 0
     for every term. Each such completion is one error naming what was wrong."""
     texts = ["aaaa", "anan", "asas", "amam", "auau", "afaf", "alal", "abab"]
-    workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=5.0)
+    workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=5.0, terms=("correct", "format"))
     try:
-        scores, errors = workers.score(texts, [{"task": "toy", "target": "a"}] * len(texts), ("correct", "format"))
+        scores, errors = workers.score(texts, [{"task": "toy", "target": "a"}] * len(texts))
     finally:
         workers.close()
     assert scores == [

@@ -20,6 +20,7 @@ import reward
 import sandbox
 import train
 from demo_model import demo_config, demo_tokenizer
+from inflight import InFlight
 from test_train import metrics, torchrun
 from workers import run_ranks
 
@@ -97,7 +98,7 @@ def test_a_closed_block_is_run_and_its_output_appended_as_unsampled_tokens_the_i
     assert s.sampled == [True] * len(first) + [False] * len(reply) + [True] * len(after)
     # One engine log-prob per sampled token, in order, none for the tool's: positions 1.. of the script as written.
     assert s.engine_logprobs.tolist() == pytest.approx([-(i + 1) / 100 for i in range(len(first) + len(after))])
-    assert s.tool_outputs == ["42\n"] and s.score == 1.0 and not s.truncated
+    assert s.tool_outputs == ["42\n"] and s.reward == 1.0 and not s.truncated
     # Token in, token out: what the engine was given after the run is the prompt, its ids and the reply's, exactly.
     assert engine.calls[-1]["prompts"] == [ids(tok, "Q:") + first + reply]
     # The stops at the opening fence (```) and at "``" went on without a run: one run, after the closing "`\n".
@@ -121,7 +122,7 @@ def test_kept_sets_of_truncated_sampling_follow_the_sampled_tokens_across_turns_
 
 def test_a_response_without_code_is_one_engine_call_and_nothing_is_run(qwen_tokenizer):
     engine, [s] = rollouts(qwen_tokenizer, {"Q:": "It is \\boxed{42}.<|im_end|>"}, max_new_tokens=50)
-    assert len(engine.calls) == 1 and s.tool_outputs == [] and all(s.sampled) and s.score == 1.0
+    assert len(engine.calls) == 1 and s.tool_outputs == [] and all(s.sampled) and s.reward == 1.0
 
 
 def test_without_the_tool_fences_do_not_stop_generation(qwen_tokenizer):
@@ -153,7 +154,7 @@ def test_the_last_turn_runs_no_code_and_generation_goes_on_to_the_end(qwen_token
     assert s.tool_outputs == ["0\n"]  # turn 1 ended in a block that ran; turn 2, the last, runs none
     text = qwen_tokenizer.decode(s.response_ids)
     assert text == blocks.replace("```\nTry 1", "```\n```output\n0\n```\nTry 1", 1) + AFTER
-    assert not s.truncated and s.score == 1.0
+    assert not s.truncated and s.reward == 1.0
 
 
 def test_the_budget_counts_tool_output_and_cuts_it(qwen_tokenizer):
@@ -179,7 +180,7 @@ def test_samples_still_generating_go_as_one_batch_per_round_and_the_others_drop_
     # a turn before their block's output and one after, B one); counts, 1 error and no timeout.
     logged = run_ranks(
         lambda rank, world: train.step_metrics(
-            samples, {}, {}, [], 0, train.Config(group_size=3), launch.parallel_groups("cpu", 1)
+            samples, {}, {}, [], {}, train.Config(group_size=3), launch.parallel_groups("cpu", 1)
         ),
         1,
     )[0]
@@ -303,3 +304,38 @@ def test_torchrun_with_the_python_tool_runs_the_models_code_and_scores_its_answe
         # The engine's log-probs line up with the trainer's on the sampled tokens alone (tool output has none).
         assert row["mismatch_abs"] < (0.05 if engine == "sglang" else 1e-4)
     assert "```output\n42\n```\nSo \\boxed{42}" in run.stdout and " | tool " in run.stdout
+
+
+def test_partial_rollouts_carry_a_response_between_its_turns_into_later_steps(qwen_tokenizer):
+    """--partial_rollouts with --tool: rounds of 6 tokens, so a response stops at its block's end within a round,
+    the block runs, and the response goes on in a later step's rounds, under a newer policy. What trains is what the
+    synchronous loop makes of the same scripts: the sampled ids, the tool output as unsampled tokens, and the
+    engine's log-probs and kept sets of the sampled tokens alone, each sampled token tagged with the step of its
+    round."""
+    tok = qwen_tokenizer
+    scripts = {f"Q{i}:": FIRST + AFTER if i in (1, 6) else "It is \\boxed{42}.<|im_end|>" for i in range(8)}
+    flags = dict(max_new_tokens=200, top_p=0.9)
+    cfg = train.Config(tool="python", partial_rollouts=True, tis_cap=2.0, round_tokens=6, group_size=1, **flags)
+    cfg.prompts_per_step = 2  # a group of one response per prompt, two a step: Config allows what check_config not
+    engine = ScriptedEngine(tok, scripts)
+    dataset = [{"prompt": prompt, "task": "gsm8k", "answer": "42"} for prompt in scripts]
+    in_flight = InFlight([], next_batch=0)
+    workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=5.0)
+    trained = {}
+    try:
+        for step in range(3):
+            samples, errors, _ = train.partial_rollouts(engine, workers, dataset, tok, in_flight, cfg, step, 0, 1)
+            assert errors == [] and len(samples) == 2
+            trained.update((tok.decode(s.prompt_ids), (step, s)) for s in samples)
+    finally:
+        workers.close()
+    _, synchronous = rollouts(tok, {prompt: scripts[prompt] for prompt in trained}, **flags)
+    carried = 0
+    for s, (step, partial) in zip(synchronous, trained.values()):
+        assert partial.response_ids == s.response_ids and partial.sampled == s.sampled and partial.ended
+        assert partial.tool_outputs == s.tool_outputs and partial.reward == s.reward == 1.0
+        assert torch.equal(partial.engine_logprobs, s.engine_logprobs) and torch.equal(partial.kept_ids, s.kept_ids)
+        versions = partial.versions.tolist()
+        assert len(versions) == partial.num_sampled and versions == sorted(versions) and versions[-1] <= step
+        carried += bool(partial.tool_outputs) and len(set(versions)) > 1
+    assert carried  # a response whose turns spanned steps: its block's output between two policies' tokens

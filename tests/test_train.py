@@ -288,14 +288,13 @@ def test_dapo_and_dr_grpo_settings_run_end_to_end(tmp_path):
     "flags",
     [
         ("--ratio_level", "sequence", "--loss_agg", "sequence", "--clip_low", "3e-4", "--clip_high", "4e-4"),  # GSPO
-        ("--objective", "cispo"),
         ("--tis_cap", "2", "--is_mode", "mask", "--is_level", "sequence"),
-        ("--objective", "dppo_tv"),
         ("--objective", "dppo_kl", "--std_of", "batch"),
+        ("--advantage", "rloo", "--scale_std", "false"),
     ],
-    ids=["gspo", "cispo", "masked_is", "dppo_tv", "dppo_kl_batch_std"],
+    ids=["gspo", "masked_is", "dppo_kl_batch_std", "rloo"],
 )
-def test_gspo_cispo_dppo_and_masked_importance_sampling_learn_the_toy_reward(flags, tmp_path):
+def test_gspo_dppo_kl_rloo_and_masked_importance_sampling_learn_the_toy_reward(flags, tmp_path):
     """Two mini-batches a step, so the ratio leaves 1 in the second and GSPO's tiny clip range (DPPO's divergence
     bound) binds."""
     run = torchrun(
@@ -319,8 +318,25 @@ def test_gspo_cispo_dppo_and_masked_importance_sampling_learn_the_toy_reward(fla
         assert all(r["is_masked_tokens"] == 0 for r in rows)  # the CPU engine matches: r is 1, inside the bound
     else:
         assert all("is_masked_tokens" not in r for r in rows)  # no masking without --is_mode mask
-    if "cispo" not in flags:
+    if "rloo" not in flags:  # the clip, or DPPO's mask, binds somewhere (RLOO's run clips within 0.2 / 0.28)
         assert max(r["clip_frac"] for r in rows) > 0
+
+
+def test_the_objectives_off_policy_make_different_updates_and_each_learns(tmp_path):
+    """Two mini-batches a step: the second is trained off-policy (its ratio to the policy that sampled it leaves 1),
+    where clip, CISPO, DPPO and SAPO part ways. With one mini-batch the ratio is 1 and their gradients coincide,
+    which is why the CPU demo alone cannot tell them apart. Each run still learns the toy reward."""
+    runs = {}
+    for objective in ("clip", "cispo", "dppo_tv", "sapo"):
+        flags = ("--preset", "cpu", "--steps", "15", "--eval_every", "0", "--num_minibatches", "2")
+        run = torchrun(2, *flags, "--objective", objective, "--out_dir", str(tmp_path / objective))
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs[objective] = metrics(tmp_path / objective)
+        assert runs[objective][0]["reward"] < 0.3 and runs[objective][-1]["reward"] > 0.8, objective
+    first_norms = {objective: rows[0]["grad_norm"] for objective, rows in runs.items()}
+    assert len(set(first_norms.values())) == 4, first_norms  # step 1's second mini-batch already differs
+    assert all(rows[0]["reward"] == runs["clip"][0]["reward"] for rows in runs.values())  # the same samples
+    assert runs["clip"][0]["clip_frac"] > 0  # the second mini-batch's ratio left [0.8, 1.28] for some tokens
 
 
 @pytest.mark.parametrize(
@@ -410,6 +426,65 @@ def test_a_new_task_in_two_edits_learns_from_a_jsonl_folder(tmp_path):
     assert len(rows) == 30 and all(r["reward_errors"] == 0 for r in rows)
     first, last = (sum(r["reward"] for r in part) / len(part) for part in (rows[:5], rows[-5:]))
     assert first < 0.2 and last > first + 0.4, (first, last)
+
+
+def readme_block(heading):
+    """The ```python block after the README line that starts with `heading`."""
+    text = readme_section("Where to edit")
+    return re.search(r"```python\n(.*?)```", text[text.index(heading) :], re.S).group(1)
+
+
+def copy_project(folder, reward_source):
+    """train.py and the modules beside it in `folder`, with reward.py's source replaced."""
+    for path in glob.glob(os.path.join(ROOT, "*.py")):
+        shutil.copy(path, folder)
+    (folder / "reward.py").write_text(reward_source)
+
+
+def test_a_reward_term_with_its_metric_is_one_edit_of_reward_fn(tmp_path):
+    """README "Where to edit", a new reward term: reward_fn returns a dict of named terms (the README's block, in a
+    copy of reward.py). The reward is their sum weighted by --reward_weights, each term is logged as reward/<name>
+    with its std, the console shows them, and the run learns both. A weight for a term that reward_fn does not
+    return stops the run at start, in one line."""
+    with open(os.path.join(ROOT, "reward.py")) as f:
+        source = f.read()
+    anchor = '    if task == "toy":\n        return toy_reward('
+    assert source.count(anchor) == 1
+    copy_project(tmp_path, source.replace(anchor, readme_block("- **A reward term**") + anchor))
+    lines = readme_section("Where to edit").splitlines()
+    command = next(line for line in lines if line.startswith("torchrun") and "--reward_weights" in line)
+    flags = command.split("train.py ")[1].split("#")[0].split()
+    run = torchrun(2, *flags, "--steps", "12", "--eval_every", "0", "--out_dir", str(tmp_path / "out"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(tmp_path / "out")
+    weight = float(flags[flags.index("--reward_weights") + 1].split("=")[1])
+    for r in rows:
+        assert r["reward"] == pytest.approx(r["reward/letter"] + weight * r["reward/first"], rel=1e-9)
+        assert 0 <= r["reward/first/std"] <= 0.5 and r["reward_errors"] == 0
+    assert rows[-1]["reward/letter"] > rows[0]["reward/letter"] + 0.4
+    assert rows[-1]["reward/first"] > rows[0]["reward/first"] + 0.4
+    steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
+    assert all(re.search(r" acc \d\.\d\d \[letter \d\.\d\d first \d\.\d\d\] \| len ", line) for line in steps)
+    refused = torchrun(2, *flags, "--reward_weights", "style=1", "--out_dir", str(tmp_path / "x"), cwd=tmp_path)
+    out = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "loading" not in out
+    assert out.count("--reward_weights weighs 'style', which reward_fn does not return (only ('letter', 'first'))") == 1
+
+
+def test_dynamic_sampling_keeps_a_group_whose_shaped_rewards_differ(tmp_path):
+    """Dynamic sampling judges the value advantages are made from: with a reward_fn that scores every completion
+    alike and DAPO's overlong penalty over the whole length, a group whose responses differ in length has a signal
+    and is kept. Judged by reward_fn's scores, every group of every round would be dropped (groups_dropped 8 at
+    each step: 2 ranks x 2 rounds x 4 groups, less the 4 a rank refills with)."""
+    with open(os.path.join(ROOT, "reward.py")) as f:
+        source = f.read()
+    copy_project(tmp_path, source + "\n\ndef reward_fn(completion, item):\n    return 0.5\n")
+    flags = ("--preset", "cpu", "--steps", "3", "--eval_every", "0", "--overlong_buffer", "16")
+    run = torchrun(2, *flags, "--dynamic_sampling_rounds", "1", "--out_dir", str(tmp_path / "out"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(tmp_path / "out")
+    assert all(r["reward"] == 0.5 and r["shaped_reward"] < 0.5 for r in rows)
+    assert all(r["groups_dropped"] < 4 and r["frac_reward_zero_std"] < 0.5 for r in rows), rows
 
 
 def test_an_unknown_task_stops_at_once_naming_the_flag_and_the_tasks_with_data(tmp_path):
