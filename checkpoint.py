@@ -286,7 +286,7 @@ def save(cfg, step, model, optimizer, tokenizer, full_weights, wandb_id, world_g
         state = training_state(model, optimizer)
         dcp.save(state, checkpoint_id=f"{tmp}/dcp")
         if cfg.partial_rollouts:
-            save_in_flight(in_flight, f"{tmp}/in_flight.pt", cfg.tp, world_group)
+            save_in_flight(in_flight.state(), f"{tmp}/in_flight.pt", cfg.tp, world_group)
         weights = {}
         for name, tensor in full_weights:
             if rank == 0:
@@ -437,35 +437,47 @@ def check_lora_flags(cfg, path, saved_flags):
 
 
 def resume(path, model, optimizer, cfg, world_group):
-    """The trained parameters (in place) and AdamW's state as save wrote them; and with --partial_rollouts this
-    rank's responses in flight, as its dp rank's engine held them (None if the checkpoint holds none for this dp)."""
+    """The trained parameters (in place) and AdamW's state as save wrote them; and with --partial_rollouts the state
+    of this rank's responses in flight, as its dp rank's engine held them (inflight.InFlight.state), or None."""
     state = training_state(model, optimizer)
     dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
     set_optimizer_state_dict(model, optimizer, state["optim"])
     if cfg.partial_rollouts:
-        return load_in_flight(os.path.join(path, "in_flight.pt"), cfg.tp, world_group)
+        return load_in_flight(path, cfg, world_group)
     return None
 
 
-def save_in_flight(in_flight, file, tp, world_group):
-    """Each dp rank's responses in flight (its TP group's first rank holds them) gathered into `file`, by rank 0."""
+# The flags that make what is in flight: another value at a resume, and its responses would not fit the run.
+IN_FLIGHT_FLAGS = ("task", "data_path", "seed", "prompts_per_step", "group_size", "max_new_tokens", "temperature")
+IN_FLIGHT_FLAGS += ("top_p", "top_k", "tool", "max_turns", "plain_template")
+
+
+def save_in_flight(state, file, tp, world_group):
+    """Each dp rank's responses in flight (`state`: its InFlight.state() on a TP group's first rank) in `file`."""
     world = dist.get_world_size(world_group)
     every_rank = [None] * world if dist.get_rank() == 0 else None
-    dist.gather_object(in_flight, every_rank, dst=0, group=world_group)
+    dist.gather_object(state, every_rank, dst=0, group=world_group)
     if dist.get_rank() == 0:
         torch.save(every_rank[::tp], file)  # a TP group's ranks are next to each other: its first, per dp rank
 
 
-def load_in_flight(file, tp, world_group):
-    """This rank's dp rank's responses in flight from `file`; None for a checkpoint saved with another dp, or none."""
+def load_in_flight(path, cfg, world_group):
+    """This rank's dp rank's responses in flight from checkpoint `path`; None, said once, where they do not fit: saved
+    on another dp, or with another value of a flag that made them (IN_FLIGHT_FLAGS)."""
     world = dist.get_world_size(world_group)
+    file = os.path.join(path, "in_flight.pt")
     by_rank = [None] * world
     if dist.get_rank() == 0 and os.path.exists(file):
-        by_dp_rank = torch.load(file, weights_only=False)  # the trainer's own objects, pickled by save_in_flight
-        if len(by_dp_rank) == world // tp:
-            by_rank = [by_dp_rank[rank // tp] for rank in range(world)]
+        by_dp_rank = torch.load(file, weights_only=False)  # plain data and tensors, the items as the dataset made them
+        saved = json.loads(pathlib.Path(path, "trainer_state.json").read_text())["config"]
+        changed = [f"--{key}" for key in IN_FLIGHT_FLAGS if saved.get(key) != getattr(cfg, key)]
+        why = f"saved on dp {len(by_dp_rank)}, not {world // cfg.tp}" if len(by_dp_rank) != world // cfg.tp else ""
+        if changed:
+            why = f"saved with other {', '.join(changed)}"
+        if why:
+            print(f"--resume {path}: its responses in flight are dropped ({why}); new prompts are admitted")
         else:
-            print(f"{file}: saved on dp {len(by_dp_rank)}, not {world // tp}: its responses in flight are dropped")
+            by_rank = [by_dp_rank[rank // cfg.tp] for rank in range(world)]
     mine = [None]
     dist.scatter_object_list(mine, by_rank if dist.get_rank() == 0 else None, src=0, group=world_group)
     return mine[0]

@@ -45,3 +45,17 @@ class InFlight:
     def remove(self, groups):
         """`groups` out of flight (they are trained)."""
         self.groups = [g for g in self.groups if g not in groups]
+
+    def state(self):
+        """As plain data, for a checkpoint: no class of train.py's is pickled (it runs as __main__, and a fork may
+        add fields to its Sample)."""
+        groups = [dict(item=g.item, admitted=g.admitted, samples=[vars(s) for s in g.samples]) for g in self.groups]
+        return dict(groups=groups, next_batch=self.next_batch)
+
+    @classmethod
+    def from_state(cls, state, sample_class):
+        """An InFlight from state(), each sample a `sample_class` (train.Sample) again."""
+        groups = []
+        for g in state["groups"]:
+            groups.append(Group(g["item"], [sample_class(**s) for s in g["samples"]], g["admitted"]))
+        return cls(groups, state["next_batch"])

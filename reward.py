@@ -6,9 +6,11 @@ reads), and `reward_fn(completion, item)` scores one sampled completion against 
 grader that takes the completion string plus the fields it needs and returns a float in [0, 1], then add a branch to
 each of the two.
 
-The contract: any string in, a float out, never raises. Completions are hostile input (megabytes of text, 10,000
-parentheses, `__import__('os')`), so nothing here calls eval, and every scan is linear and capped. A reward_fn that
-breaks the contract anyway costs its sample a score of 0, not the run.
+The contract: any string in, a float out (or a dict of named float terms, the same names for every completion and
+item, the empty completion included: the trainer sums them, weighted by --reward_weights, and logs each), never
+raises. Completions are hostile input (megabytes of text, 10,000 parentheses, `__import__('os')`), so nothing here
+calls eval, and every scan is linear and capped. A reward_fn that breaks the contract anyway costs its sample (or
+the term) a score of 0, not the run.
 
 Importing this file never imports torch, and nothing in it starts a process, so it can be tested alone. The trainer
 calls reward_fn in worker processes, each call with a deadline, and runs the model's Python tool code in a sandbox:
@@ -65,8 +67,9 @@ class PromptDataset:
         return {"prompt": prompt, "task": task, "answer": answer}
 
 
-def reward_fn(completion: str, item: dict) -> float:
-    """Called by the trainer for every completion; `item` is the dataset's item. Edit here to add a task."""
+def reward_fn(completion: str, item: dict) -> float | dict[str, float]:
+    """Called by the trainer for every completion; `item` is the dataset's item. Edit here to add a task, or return
+    {"name": value, ...} for reward terms, each logged as reward/<name> (README: where to edit)."""
     task = item["task"]
     if task == "countdown":
         return countdown_reward(completion, item["nums"], item["target"])
@@ -395,9 +398,11 @@ def check_items(dataset, split: str, least: int = 1, warn: bool = True, tried: i
             f"reward_fn returns a dict of terms ({terms[0]!r}, ...) for some {split} items and a number for others: "
             "return one kind (README: reward terms)"
         )
-    unnamed = [name for name in terms if not isinstance(name, str)]
+    unnamed = [name for name in terms if not isinstance(name, str) or "/" in name]
     if unnamed:
-        raise SystemExit(f"reward_fn returns a term named {unnamed[0]!r}: name each term with a string")
+        raise SystemExit(f"reward_fn returns a term named {unnamed[0]!r}: name each term with a string, no /")
+    if any(value == {} for value in returned):  # the run's terms are those it returns here
+        raise SystemExit("reward_fn returns an empty dict for an empty completion: return every term, 0 if it is off")
     bad = [i for i, item in enumerate(items) if "answer" in item and item["answer"] is None]
     if bad and warn:
         print(

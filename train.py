@@ -1,16 +1,18 @@
 """GRPO for Qwen and Llama-architecture models, in one file that reads as one step flows.
 
-A step: G completions per prompt from the engine (SGLang on GPUs, HF generate on a CPU), their rewards, advantages
-normalised within each group, log-probs and entropy of the sampled tokens under the policy, clipped policy-gradient
-updates (FSDP2 over "dp", tensor parallelism over "tp"), and the new weights pushed back into the engine.
+A step: G completions per prompt from the engine (SGLang on GPUs, HF generate on a CPU; with --partial_rollouts the
+groups that ended, the rest going on next step), their rewards, advantages normalised within each group, log-probs
+and entropy of the sampled tokens under the policy, clipped policy-gradient updates (FSDP2 over "dp", tensor
+parallelism over "tp"), and the new weights pushed back into the engine.
 
     torchrun --standalone --nproc_per_node=2 train.py --preset cpu   # CPU demo: tiny random model, toy task
     torchrun --nproc_per_node=8 train.py --tp 2                       # GPUs: Countdown, Qwen2.5-3B-Instruct
 
 The flags are Config's fields. A new task is two edits in reward.py: PromptDataset.__getitem__ (what a prompt is)
-and reward_fn (how a completion scores). Machinery beside this file: engines.py (the rollout engines and the push
-into them), checkpoint.py (weights in and out of files), sandbox.py (reward_fn and model-written code in worker
-processes) and launch.py (the processes under torchrun).
+and reward_fn (how a completion scores, a number or named terms). Machinery beside this file: engines.py (the rollout
+engines and the push into them), checkpoint.py (weights in and out of files), sandbox.py (reward_fn and model-written
+code in worker processes), launch.py (the processes under torchrun), flags.py (the command line, each flag's bound),
+inflight.py (partial rollouts' bookkeeping), lora.py and vocab_parallel.py.
 """
 
 import datetime
@@ -117,7 +119,7 @@ class Config:
     keep_checkpoints: Count = 2  # the newest K complete checkpoints are kept
     resume: str = ""  # a checkpoint folder, or "auto": the newest complete one under out_dir (if any)
     reward_workers: Count = 4  # processes computing rewards in parallel
-    reward_timeout: Positive = 5.0  # seconds before a reward_fn call is cut off; it scores 0
+    reward_timeout: Annotated[float, AtLeast(0.001)] = 5.0  # seconds before a reward_fn call is cut off; it scores 0
     reward_weights: str = ""  # name=weight,...: reward_fn's terms weighted, then summed; a term left out weighs 1
     seed: int = 0
     out_dir: str = "runs/grpo"  # config.json, metrics.jsonl, checkpoints/ (README: where the outputs are)
@@ -170,9 +172,12 @@ def check_config(cfg, world):
         (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
         (
             cfg.partial_rollouts and cfg.tis_cap == 0,
-            "--partial_rollouts trains older policies' tokens: add --tis_cap 2",
+            "--partial_rollouts trains tokens older policies sampled: add --tis_cap 2 to correct them (decoupled PPO)",
         ),
-        (cfg.partial_rollouts and cfg.dynamic_sampling_rounds, "--partial_rollouts: no --dynamic_sampling_rounds"),
+        (
+            cfg.partial_rollouts and cfg.dynamic_sampling_rounds,
+            "--partial_rollouts admits a fixed batch of prompts a step: drop --dynamic_sampling_rounds",
+        ),
         (
             cfg.objective.startswith("dppo") and cfg.ratio_level == "sequence",
             f"--objective {cfg.objective} masks tokens by their own ratio: use --ratio_level token",
@@ -893,7 +898,9 @@ def main():
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # frozen: no state
         in_flight = InFlight([], next_batch=start_step)  # --partial_rollouts: the groups this rank's engine holds
         if resumed_from:
-            in_flight = checkpoint.resume(resumed_from, model, optimizer, cfg, par.world_group) or in_flight
+            saved = checkpoint.resume(resumed_from, model, optimizer, cfg, par.world_group)
+            if saved is not None:
+                in_flight = InFlight.from_state(saved, Sample)
         # Forked before the engine and the signal handlers exist. Rank 0 shows the first failed call's traceback.
         reward_workers = sandbox.RewardWorkers(
             reward.reward_fn, cfg.reward_workers, cfg.reward_timeout, terms, show_first_error=rank == 0

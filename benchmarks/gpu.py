@@ -647,7 +647,7 @@ def main():
     parser.add_argument("--vllm_site", default="", help="race: a folder holding vLLM, put first on PYTHONPATH for TRL")
     parser.add_argument(
         "--partial_args",
-        default="--steps 20 --turn 5 --eval_every 10 --max_new_tokens 1024",
+        default="--steps 20 --turn 10 --eval_every 20 --max_new_tokens 1024",
         help="partial: benchmarks/partial_rollouts.py flags",
     )
     parser.set_defaults(**PRESETS.get(parser.parse_known_args()[0].preset, {}))

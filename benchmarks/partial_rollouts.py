@@ -1,6 +1,7 @@
 """Partial rollouts against the synchronous step, on a job whose response lengths have a long tail, measured in one
 run on one machine: the two runs take turns, a few steps at a time, each going on from its own last checkpoint
-(both resume exactly), so that what the machine does meanwhile falls on both alike.
+(both resume exactly), so that what the machine does meanwhile falls on both alike. Run again, the command goes on
+from the turns it has taken.
 
     python3 benchmarks/partial_rollouts.py                  # SmolLM2-135M-Instruct on additions, 256 tokens
     python3 benchmarks/partial_rollouts.py --steps 4 --turn 2 --max_new_tokens 32 --eval_prompts 8   # a quick look
@@ -49,7 +50,7 @@ def length_distribution(folder, job, prompts):
     return sorted(len(response) for response, *_ in outputs)
 
 
-def run_segment(folder, out_dir, job, steps, flags, engine, nproc):
+def run_segment(folder, out_dir, job, steps, flags, engine, nproc, micro_batch_size):
     """train.py on `nproc` ranks up to step `steps`, going on from out_dir's last checkpoint."""
     all_flags = {
         **job,
@@ -57,7 +58,7 @@ def run_segment(folder, out_dir, job, steps, flags, engine, nproc):
         "model": folder,
         "steps": steps,
         "save_every": 0,
-        "micro_batch_size": 16,
+        "micro_batch_size": micro_batch_size,
         "reward_workers": 2,
         "eval_k": 1,
         "tis_cap": 2,
@@ -68,6 +69,15 @@ def run_segment(folder, out_dir, job, steps, flags, engine, nproc):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
     cmd += [arg for key, value in all_flags.items() for arg in (f"--{key}", str(value))]
     subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
+
+
+def rows_of(out_dir):
+    """The rows of a run's metrics.jsonl; none before it starts."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f]
 
 
 def summary(rows):
@@ -105,6 +115,7 @@ def main():
     parser.add_argument("--out_json", default="")
     parser.add_argument("--engine", choices=("hf", "sglang"), default="hf", help="train.py's rollout engine")
     parser.add_argument("--nproc_per_node", type=int, default=2, help="train.py's ranks (one per GPU with sglang)")
+    parser.add_argument("--micro_batch_size", type=int, default=4, help="train.py's flag: 4 x 300 tokens fit 24 GB")
     args = parser.parse_args()
     job = dict(JOB, max_new_tokens=args.max_new_tokens, prompts_per_step=args.prompts_per_step)
     job.update(eval_prompts=args.eval_prompts, eval_every=args.eval_every)
@@ -113,20 +124,22 @@ def main():
     folder = os.path.abspath(args.model_dir)
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
         write_smollm2(folder)
-    lengths = length_distribution(folder, job, prompts=job["prompts_per_step"])
+    for done in range(args.turn, args.steps + args.turn, args.turn):
+        for name, flags in RUNS.items():
+            out_dir = os.path.abspath(os.path.join(args.out_dir, name))
+            steps = min(done, args.steps)
+            if steps <= len(rows_of(out_dir)):  # a turn an earlier call of this command took
+                continue
+            run_segment(folder, out_dir, job, steps, flags, args.engine, args.nproc_per_node, args.micro_batch_size)
+            print(f"{name}: step {steps}", flush=True)
+    lengths = length_distribution(folder, job, prompts=job["prompts_per_step"])  # after the runs: their memory free
     cut = sum(n == args.max_new_tokens for n in lengths) / len(lengths)
     median, p90 = lengths[len(lengths) // 2], lengths[int(0.9 * (len(lengths) - 1))]
     print(f"lengths of the first policy's {len(lengths)} responses: median {median}, 90th percentile {p90}, ", end="")
     print(f"max {lengths[-1]} (limit {args.max_new_tokens}, {cut:.0%} cut off)", flush=True)
-    for done in range(args.turn, args.steps + args.turn, args.turn):
-        for name, flags in RUNS.items():
-            out_dir = os.path.abspath(os.path.join(args.out_dir, name))
-            run_segment(folder, out_dir, job, min(done, args.steps), flags, args.engine, args.nproc_per_node)
-            print(f"{name}: step {min(done, args.steps)}", flush=True)
     results = {"lengths": {"median": median, "p90": p90, "max": lengths[-1], "cut": cut}}
     for name in RUNS:
-        with open(os.path.join(args.out_dir, name, "metrics.jsonl")) as f:
-            results[name] = summary([json.loads(line) for line in f])
+        results[name] = summary(rows_of(os.path.join(args.out_dir, name)))
     sync, partial = results["synchronous"], results["partial"]
     print(f"\n{'':38s} {'synchronous':>12s} {'partial':>12s} {'ratio':>8s}")
     for key in sync:

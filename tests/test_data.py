@@ -552,6 +552,10 @@ def test_a_mistyped_flag_is_one_line_naming_the_nearest_flag(flags, said, capsys
         (dict(reward_weights="a=1,b=nan"), 1, "--reward_weights a=1,b=nan: each number must be finite"),
         (dict(group_size=1), 1, "--group_size must be a number from 2 up, not 1"),
         (dict(lora_alpha=0.0), 1, "--lora_alpha must be a number above 0, not 0.0"),
+        (dict(partial_rollouts=True), 1, "--partial_rollouts trains tokens older policies sampled: add --tis_cap 2"),
+        (dict(partial_rollouts=True, tis_cap=2.0, dynamic_sampling_rounds=1), 1, "drop --dynamic_sampling_rounds"),
+        (dict(round_tokens=0), 1, "--round_tokens must be a number from 1 up"),
+        (dict(max_staleness=0), 1, "--max_staleness must be a number from 1 up"),
     ],
 )
 def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):

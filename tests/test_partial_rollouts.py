@@ -299,6 +299,12 @@ def test_a_resume_with_responses_in_flight_goes_on_as_the_run_would_have(tmp_pat
     assert logged(split) == logged(straight)
     a, b = hf_weights(straight, 6), hf_weights(split, 6)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # Resumed with another G, the groups in flight no longer fit: dropped, said once, and new prompts admitted.
+    checkpoint = str(split / "checkpoints" / "step_000003")
+    other = torchrun(2, *flags, "--steps", "4", "--group_size", "4", "--resume", checkpoint, "--out_dir", str(tmp_path))
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert other.stdout.count("its responses in flight are dropped (saved with other --group_size)") == 1
+    assert metrics(tmp_path)[-1]["samples"] == 8 * 4  # a batch of fresh groups of 4
 
 
 def test_partial_rollouts_with_truncated_sampling_minibatches_batch_std_and_lora(tmp_path):

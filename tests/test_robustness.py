@@ -223,6 +223,12 @@ def test_the_run_takes_its_reward_terms_from_what_reward_fn_returns_on_the_items
     monkeypatch.setattr(reward, "reward_fn", lambda completion, item: {"c": 1.0, 2: 0.5})
     with pytest.raises(SystemExit, match="reward_fn returns a term named 2: name each term with a string"):
         reward.check_items(items, "train")
+    monkeypatch.setattr(reward, "reward_fn", lambda completion, item: {"c/std": 1.0})  # its std's key is c/std's
+    with pytest.raises(SystemExit, match="a term named 'c/std': name each term with a string, no /"):
+        reward.check_items(items, "train")
+    monkeypatch.setattr(reward, "reward_fn", lambda completion, item: {"c": 1.0} if completion else {})
+    with pytest.raises(SystemExit, match="reward_fn returns an empty dict for an empty completion: return every term"):
+        reward.check_items(items, "train")
 
 
 def test_workers_take_no_trainer_signal_handler_and_close_ends_what_reward_fn_started(bad_reward, tmp_path):
