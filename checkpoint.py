@@ -471,11 +471,13 @@ def load_in_flight(path, cfg, world_group):
         by_dp_rank = torch.load(file, weights_only=False)  # plain data and tensors, the items as the dataset made them
         saved = json.loads(pathlib.Path(path, "trainer_state.json").read_text())["config"]
         changed = [f"--{key}" for key in IN_FLIGHT_FLAGS if saved.get(key) != getattr(cfg, key)]
-        why = f"saved on dp {len(by_dp_rank)}, not {world // cfg.tp}" if len(by_dp_rank) != world // cfg.tp else ""
+        if len(by_dp_rank) != world // cfg.tp:
+            changed.append(f"dp ({len(by_dp_rank)}, now {world // cfg.tp})")
         if changed:
-            why = f"saved with other {', '.join(changed)}"
-        if why:
-            print(f"--resume {path}: its responses in flight are dropped ({why}); new prompts are admitted")
+            print(
+                f"--resume {path}: its responses in flight are dropped (saved with other {', '.join(changed)}); new "
+                "prompts are admitted"
+            )
         else:
             by_rank = [by_dp_rank[rank // cfg.tp] for rank in range(world)]
     mine = [None]

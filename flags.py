@@ -59,21 +59,13 @@ def parse(config_class, presets, argv=None):
     return config_class(**vars(parser.parse_args(argv)))
 
 
-def bounds(config_class):
-    """{flag: its bound} of the fields whose type carries one."""
-    found = {}
-    for name, hint in typing.get_type_hints(config_class, include_extras=True).items():
-        for bound in getattr(hint, "__metadata__", ()):
-            found[name] = bound
-    return found
-
-
 def check_bounds(cfg):
     """Every flag within the bound its type carries; the first that is not stops the run, named."""
-    for name, bound in bounds(type(cfg)).items():
-        value = getattr(cfg, name)
-        if not bound.admits(value):
-            raise SystemExit(f"--{name} must be a number {bound}, not {value}")
+    for name, hint in typing.get_type_hints(type(cfg), include_extras=True).items():
+        for bound in getattr(hint, "__metadata__", ()):
+            value = getattr(cfg, name)
+            if not bound.admits(value):
+                raise SystemExit(f"--{name} must be a number {bound}, not {value}")
 
 
 def named_numbers(cfg, flag):

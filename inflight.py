@@ -31,8 +31,8 @@ class InFlight:
     next_batch: int
 
     def ended(self):
-        """The groups whose G responses have all ended, oldest first."""
-        return sorted((g for g in self.groups if g.ended), key=lambda g: g.admitted)
+        """The groups whose G responses have all ended, oldest first (the order of admission)."""
+        return [g for g in self.groups if g.ended]
 
     def due(self, step, max_staleness):
         """The groups still generating whose tokens could be more than max_staleness steps old if trained later."""

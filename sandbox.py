@@ -352,9 +352,9 @@ def _reward_or_error(
 ) -> tuple[float | dict, str | None]:
     """In a worker: (score, None), or (0.0, why) when reward_fn raises, runs past `timeout` seconds, or returns
     anything but a finite number (a NaN reward would stop all learning). With `terms`, the names of the terms that
-    reward_fn returns in a dict: ({name: value}, None), each term that is missing or not a finite number 0 and said
-    why, as a term no item has. reward_fn arrives pickled, by reference: a module-level function, found by name in
-    the worker, which holds the trainer's modules as they were at its fork."""
+    reward_fn returns in a dict: ({name: value}, None), or, where a term is missing or not a finite number (scored 0)
+    or one is not among them (left out), ({name: value}, why). reward_fn arrives pickled, by reference: a
+    module-level function, found by name in the worker, which holds the trainer's modules as they were at its fork."""
 
     def raise_timeout(signum, frame):
         raise TimeoutError("reward_fn ran past --reward_timeout")

@@ -390,6 +390,9 @@ def test_a_statistic_added_to_the_loss_is_logged_as_its_mean_per_sampled_token(d
     assert logged == pytest.approx(sum(per_rank) / tokens, rel=1e-6) and logged > 0  # float32 sums
 
 
+TIMES = ("time_step", "time_rollout", "time_train", "time_push")  # a step's seconds, as main() logs them
+
+
 def reward_term_metrics(rank, world, terms):
     """step_metrics of this rank's share of samples, each with reward_fn's terms and the reward they sum to."""
     par = launch.parallel_groups("cpu", 1)
@@ -415,6 +418,3 @@ def test_each_reward_term_is_logged_as_its_mean_and_std_over_the_steps_samples_o
         assert metrics["reward"] == pytest.approx(statistics.mean(c + 0.5 * b for c, b in every))
     line = train.step_line(0, dict(logged[0], lr=1e-6, eta_s=0.0, **dict.fromkeys(TIMES, 0.1)), train.Config())
     assert " acc 0.50 [correct 0.50 bonus 0.58] | len " in line  # the means, 3 / 6 and 3.5 / 6
-
-
-TIMES = ("time_step", "time_rollout", "time_train", "time_push")
