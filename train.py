@@ -455,37 +455,25 @@ def group_advantages(rewards, group_size, scale_std=True, eps=1e-6, std=None):
     return centred.masked_fill(all_equal, 0.0).view(-1)  # equal rewards: no signal, 0
 
 
-def rloo_advantages(rewards, group_size):
-    """RLOO's (Ahmadian et al. 2024; verl's and TRL's): r less the mean of the group's G - 1 other rewards, which is
-    G / (G - 1) x (r - group mean); a group of equal rewards gets exactly 0."""
-    r = rewards.view(-1, group_size).double()
-    others = (r.sum(1, keepdim=True) - r) / (group_size - 1)
-    all_equal = (r == r[:, :1]).all(1, keepdim=True)
-    return (r - others).masked_fill(all_equal, 0.0).view(-1)
-
-
 def set_advantages(samples, cfg, dp_group=None):
-    """Each sample's advantage from the shaped rewards: --advantage grpo's group_advantages (--std_of batch divides
-    by the unbiased std of every rank's rewards, gathered over dp, as TRL's scale_rewards="batch") or rloo's.
-    --kl_in_reward subtracts beta x summed KL, through the same baseline but never std-scaled (that would cancel
-    beta)."""
+    """Each sample's advantage from the shaped rewards: group_advantages (--std_of batch divides by the unbiased std
+    of every rank's rewards, gathered over dp, as TRL's scale_rewards="batch"), scaled to RLOO's with --advantage
+    rloo. --kl_in_reward subtracts beta x summed KL, through the same baseline but never std-scaled (that would
+    cancel beta)."""
     rewards = torch.tensor([s.shaped_reward for s in samples])
     std = None
     if cfg.std_of == "batch":
         every_rank = [torch.zeros_like(rewards) for _ in range(dist.get_world_size(dp_group))]
         dist.all_gather(every_rank, rewards, group=dp_group)  # a TP group's ranks hold the same samples: one of them
         std = torch.cat(every_rank).double().std()
-    if cfg.advantage == "rloo":
-        advantages = rloo_advantages(rewards, cfg.group_size)
-    else:
-        advantages = group_advantages(rewards, cfg.group_size, cfg.scale_std, std=std)
+    advantages = group_advantages(rewards, cfg.group_size, cfg.scale_std, std=std)
     if cfg.kl_in_reward:
         kl_of = KL_ESTIMATORS[cfg.kl_estimator]
-        kl = torch.stack([kl_of(s.old_logprobs - s.ref_logprobs).sum() for s in samples]).cpu()
-        centred = group_advantages(kl, cfg.group_size, scale_std=False)
-        if cfg.advantage == "rloo":
-            centred = rloo_advantages(kl, cfg.group_size)
-        advantages -= cfg.beta * centred
+        kl = torch.stack([kl_of(s.old_logprobs - s.ref_logprobs).sum() for s in samples])
+        advantages -= cfg.beta * group_advantages(kl.cpu(), cfg.group_size, scale_std=False)
+    if cfg.advantage == "rloo":
+        # RLOO (Ahmadian et al. 2024): r less the mean of the group's G - 1 other rewards, G / (G - 1) x (r - mean).
+        advantages *= cfg.group_size / (cfg.group_size - 1)
     for sample, advantage in zip(samples, advantages.tolist()):
         sample.advantage = advantage
 
@@ -792,7 +780,7 @@ def step_line(step, metrics, cfg):
     terms = []
     for key, value in metrics.items():
         if key.startswith("reward/") and not key.endswith("/std"):
-            terms.append(f"{key[7:]} {value:.2f}")
+            terms.append(f"{key.removeprefix('reward/')} {value:.2f}")
     if len(terms) > 1:
         shown["reward_terms"] = " ".join(terms)
     hidden = [key for key in ("reward_errors", "skipped_steps") if not metrics.get(key)]

@@ -541,25 +541,11 @@ def race_rows(args, folder, table, work_dir):
             ),
         )
     for name, flags, env in trainers:
-        summary = os.path.join(work_dir, f"race-{len(table.rows)}.json")
-        command = [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "addition.py"),
-            "--model_dir",
-            folder,
-            "--out_dir",
-            os.path.join(work_dir, f"race-{len(table.rows)}"),
-            "--out_json",
-            summary,
-            *flags,
-            *shlex.split(args.race_args),
-        ]
-        code = subprocess.run(command, cwd=ROOT, env=env).returncode
+        out_dir = os.path.join(work_dir, f"race-{len(table.rows)}")
+        code, s = run_job("addition.py", folder, out_dir, [*flags, *shlex.split(args.race_args)], env)
         if code:
             table.add("race", name, {}, f"failed (exit {code}): its output is above")
             continue
-        with open(summary) as f:
-            s = json.load(f)
         job = s["job"]
         table.add(
             "race",
@@ -576,30 +562,27 @@ def race_rows(args, folder, table, work_dir):
         )
 
 
+def run_job(script, folder, out_dir, flags, env=None):
+    """benchmarks/`script` on the SmolLM2 folder with `flags`, writing under out_dir and its summary to out_dir.json:
+    (0, the summary), or (its exit code, None) when it failed, its output printed above."""
+    summary = out_dir + ".json"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--model_dir", folder]
+    command += ["--out_dir", out_dir, "--out_json", summary, *flags]
+    code = subprocess.run(command, cwd=ROOT, env=env).returncode
+    if code:
+        return code, None
+    with open(summary) as f:
+        return 0, json.load(f)
+
+
 def partial_rows(args, folder, table, work_dir):
     """benchmarks/partial_rollouts.py: the synchronous step and partial rollouts on a long-tailed job."""
-    summary = os.path.join(work_dir, "partial.json")
-    command = [
-        sys.executable,
-        os.path.join(ROOT, "benchmarks", "partial_rollouts.py"),
-        "--model_dir",
-        folder,
-        "--out_dir",
-        os.path.join(work_dir, "partial"),
-        "--out_json",
-        summary,
-        "--engine",
-        args.engine,
-        "--nproc_per_node",
-        "1" if args.engine == "sglang" else "2",
-        *shlex.split(args.partial_args),
-    ]
-    code = subprocess.run(command, cwd=ROOT).returncode
+    ranks = "1" if args.engine == "sglang" else "2"
+    flags = ["--engine", args.engine, "--nproc_per_node", ranks, *shlex.split(args.partial_args)]
+    code, s = run_job("partial_rollouts.py", folder, os.path.join(work_dir, "partial"), flags)
     if code:
         table.add("partial", "synchronous vs partial", {}, f"failed (exit {code}): its output is above")
         return
-    with open(summary) as f:
-        s = json.load(f)
     for name in ("synchronous", "partial"):
         run = s[name]
         accuracy = run["held_out_greedy_acc"][-1][1] if run["held_out_greedy_acc"] else float("nan")

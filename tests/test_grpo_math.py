@@ -746,7 +746,9 @@ def test_rloo_advantage_is_the_reward_less_the_mean_of_the_groups_other_rewards(
     """RLOO (Ahmadian et al. 2024; verl's adv_estimator=rloo, TRL's RLOOTrainer): A_i = r_i - 1/(G - 1) sum_{j != i}
     r_j, with no std; a group of equal rewards 0 exactly. Reference: float64 arithmetic in Python."""
     rewards = [1.0, 0.0, 0.5, 0.25, 0.1, 0.1, 0.1, 0.1, 2.0, -1.0, 0.0, 3.0]
-    adv = train.rloo_advantages(torch.tensor(rewards), 4).tolist()
+    samples = [train.Sample([1], shaped_reward=r) for r in rewards]
+    train.set_advantages(samples, train.Config(group_size=4, advantage="rloo", scale_std=False))
+    adv = [s.advantage for s in samples]
     for g in range(3):
         group = rewards[4 * g : 4 * g + 4]
         for i, r in enumerate(group):
