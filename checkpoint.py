@@ -149,7 +149,7 @@ def tiny_tokenizer_and_config(lora_rank):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,  # room for a task's prompt in R1-Zero's plain template
         tie_word_embeddings=True,
         # Frozen under LoRA: wide enough that the adapters can move the logits.
         initializer_range=0.2 if lora_rank else 0.02,
@@ -210,7 +210,7 @@ def load_weights(models, files, cfg, model_config, world_group):
 def open_run_dir(cfg, start_step, wandb_id):
     """On rank 0: the flags that differ from the defaults printed, wandb started (wandb.run), config.json written
     with every flag and a new run id, which is returned, and metrics.jsonl cut back to start_step (the steps after
-    it run again)."""
+    it run again; a fresh run, start_step 0, keeps no line: not an earlier run's evaluation before training)."""
     defaults = {field.name: field.default for field in dataclasses.fields(cfg)}
     changed = [f"{key}={value}" for key, value in dataclasses.asdict(cfg).items() if value != defaults[key]]
     print(textwrap.fill("config: " + " ".join(changed), 120, subsequent_indent="  "), flush=True)
@@ -235,7 +235,7 @@ def open_run_dir(cfg, start_step, wandb_id):
         kept = []
         for line in metrics.read_text().splitlines(keepends=True):
             # A line torn by a crash has no newline.
-            if line.endswith("\n") and json.loads(line)["step"] <= start_step:
+            if start_step and line.endswith("\n") and json.loads(line)["step"] <= start_step:
                 kept.append(line)
         metrics.write_text("".join(kept))
     return config["run_id"]

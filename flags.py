@@ -2,8 +2,9 @@
 
 A flag is declared once, as a field of train.Config; a bound rides on its type (`Annotated[int, AtLeast(1)]`, or an
 alias such as train.Count). parse reads the command line (a --preset's values under the flags given; a mistyped flag
-named with the nearest one), and check_bounds refuses a value below its bound, NaN or inf, naming the flag.
-docs/flags.md lists every flag with its default, and tests/test_style.py holds it to Config.
+named with the nearest one), and check_bounds refuses a value below its bound, NaN or inf, naming the flag. The flags
+that name reward_fn's terms are checked against them (check_terms), and start_notes says at start what a flag may do
+that its user did not mean. docs/flags.md lists every flag with its default, and tests/test_style.py holds it to Config.
 
 Machinery a researcher rarely edits: a new flag is a Config field with its bound, its use and its docs line.
 """
@@ -83,3 +84,31 @@ def named_numbers(cfg, flag):
     if not all(map(math.isfinite, numbers.values())):
         raise SystemExit(f"--{flag} {text}: each number must be finite")
     return numbers
+
+
+def check_terms(cfg, terms):
+    """--reward_weights and --accuracy_term against `terms`, the names of the terms that reward_fn returns."""
+    returns = f"only {terms}" if terms else "a number, no terms"
+    unknown = sorted(named_numbers(cfg, "reward_weights").keys() - set(terms))
+    if unknown:  # reward_fn returned no such term on any of the items tried
+        raise SystemExit(f"--reward_weights weighs {unknown[0]!r}, which reward_fn does not return ({returns})")
+    if cfg.accuracy_term and cfg.accuracy_term not in terms:
+        raise SystemExit(f"--accuracy_term {cfg.accuracy_term}: reward_fn returns no such term ({returns})")
+
+
+def start_notes(cfg, terms):
+    """What rank 0 says at start of flags that may not do what their user meant: accuracy counted from the sum of
+    several terms (a bonus alone can reach 1), a warm-up of half the run or more."""
+    notes = []
+    if len(terms) > 1 and not cfg.accuracy_term:
+        notes.append(
+            f"note: accuracy counts a response right when its reward, the weighted sum of the terms "
+            f"{', '.join(terms)}, is 1 or more; to count a correctness term alone, name it with --accuracy_term"
+        )
+    below = min(cfg.warmup_steps - 1, cfg.steps)  # steps whose learning rate is below --lr
+    if below > 0 and 2 * below >= cfg.steps:
+        notes.append(
+            f"note: --warmup_steps {cfg.warmup_steps} keeps the learning rate below --lr for {below} of the "
+            f"{cfg.steps} steps: lower it for a short run"
+        )
+    return notes

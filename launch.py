@@ -50,6 +50,13 @@ def init_distributed():
     return rank, world, device
 
 
+def usable_cpus():
+    """The CPUs this process may run on: its affinity where the system has one (Linux), else the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 @dataclass
 class Parallel:
     """The device mesh over (dp, tp), which shards the model; and gloo process groups over the world, dp and tp, for

@@ -2,9 +2,10 @@
 
 A task is a --task name that two functions know, the two places to edit (README: your own task):
 `PromptDataset.__getitem__` makes a row of data an item (the prompt, the task's name, and the fields the grader
-reads), and `reward_fn(completion, item)` scores one sampled completion against its item. To add a task, write a
-grader that takes the completion string plus the fields it needs and returns a float in [0, 1], then add a branch to
-each of the two.
+reads), and `reward_fn(completion, item, args)` scores one sampled completion against its item. To add a task, write
+a grader that takes the completion string plus the fields it needs and returns a float in [0, 1], then add a branch
+to each of the two. Its rows come from --data_path, or from a generator registered where it is defined
+(@generated("name")); its options, with their defaults, are its entry in TASK_ARGS (--task_args sets them).
 
 The contract: any string in, a float out (or a dict of named float terms, the same names for every completion and
 item, the empty completion included: the trainer sums them, weighted by --reward_weights, and logs each), never
@@ -18,6 +19,7 @@ both live in sandbox.py, machinery that a researcher does not edit. Of the tool,
 sees: the prompt that offers it and the format of its output.
 """
 
+import copy
 import functools
 import logging
 import operator
@@ -30,16 +32,22 @@ from fractions import Fraction
 # the two places to edit: what a prompt says (PromptDataset.__getitem__), and how a completion scores (reward_fn)
 
 
+# The options each task takes, and their defaults. --task_args key=value,... sets them (a value that reads as a number
+# is one); PromptDataset holds them as self.args, and a task's generator and reward_fn receive them.
+TASK_ARGS = {"toy": {"letter": "a"}, "addition": {"max_operand": 30}}
+
+
 class PromptDataset:
     """Prompts of one task. Edit __getitem__ to change what a prompt says or to add a task (README: your own task)."""
 
     def __init__(self, cfg, split):
         self.task = cfg.task
+        self.args = task_args(cfg.task, cfg.task_args)
         self.boxed_prompt = TOOL_PROMPT if cfg.tool else BOXED_PROMPT
-        self.rows = load_rows(cfg.task, split, cfg.data_path, cfg.train_size, cfg.test_size, cfg.seed)
+        self.rows = load_rows(self, split, cfg)
         least = cfg.prompts_per_step if split == "train" else 1  # a step's prompts; an evaluation's
         # The names of reward_fn's terms, when it returns a dict of them (README: reward terms).
-        self.reward_terms = check_items(self, split, least, warn=os.environ.get("RANK", "0") == "0", tool=cfg.tool)
+        self.reward_terms = check_items(self, split, least, warn=FIRST_RANK, tool=cfg.tool, args=self.args)
 
     def __len__(self):
         return len(self.rows)
@@ -48,7 +56,7 @@ class PromptDataset:
         """An item: {"prompt": chat messages, or a string used as is; "task"; and the fields reward_fn reads}."""
         row = self.rows[i]
         task = self.task
-        if task == "toy":
+        if task == "toy":  # the row is {"target": --task_args letter}
             return {"prompt": f"Say {row['target']}:", "task": task, "target": row["target"]}
         if task == "countdown":  # the row is {"nums", "target"}
             return {"prompt": [{"role": "user", "content": COUNTDOWN_PROMPT.format(**row)}], "task": task, **row}
@@ -67,9 +75,10 @@ class PromptDataset:
         return {"prompt": prompt, "task": task, "answer": answer}
 
 
-def reward_fn(completion: str, item: dict) -> float | dict[str, float]:
-    """Called by the trainer for every completion; `item` is the dataset's item. Edit here to add a task, or return
-    {"name": value, ...} for reward terms, each logged as reward/<name> (README: where to edit)."""
+def reward_fn(completion: str, item: dict, args: dict | None = None) -> float | dict[str, float]:
+    """Called by the trainer for every completion; `item` is the dataset's item, `args` the task's options (its
+    TASK_ARGS, with --task_args). Edit here to add a task, or return {"name": value, ...} for reward terms, each
+    logged as reward/<name> (README: where to edit)."""
     task = item["task"]
     if task == "countdown":
         return countdown_reward(completion, item["nums"], item["target"])
@@ -80,6 +89,25 @@ def reward_fn(completion: str, item: dict) -> float | dict[str, float]:
     if task == "toy":
         return toy_reward(completion, item["target"])
     raise ValueError(f"unknown task {task!r}: add a branch for it to reward_fn in reward.py (README: your own task)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a generated task's data: its generator registers itself where it is defined
+
+GENERATED = {}  # task: (its generator, whether its test split is held out)
+
+
+def generated(task: str, held_out: bool = True):
+    """Makes the decorated function, (n, seed, args) -> n rows, --task `task`'s data when no --data_path is given. Its
+    first --test_size rows are the test split and the rest the train split, less the rows whose prompt the test split
+    asks too (load_rows), so that the splits are disjoint whatever it draws. held_out=False: the same prompts in both
+    splits (the toy task's one prompt)."""
+
+    def register(generator):
+        GENERATED[task] = (generator, held_out)
+        return generator
+
+    return register
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -118,7 +146,8 @@ FORMAT_SCORE = 0.1
 _OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
-def countdown_problems(n: int, seed: int) -> list[dict]:
+@generated("countdown")
+def countdown_problems(n: int, seed: int, args: dict) -> list[dict]:
     """n distinct Countdown problems: 3-4 numbers in 1..99 and a target reachable by construction."""
     rng = random.Random(seed)
     problems = {}
@@ -254,16 +283,17 @@ def gsm8k_reward(completion: str, answer: str | None) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 # addition: "What is a + b?", generated here and graded as gsm8k; small enough for a real model on a CPU
 
-ADDITION_MAX = 30  # operands are drawn from 1..ADDITION_MAX
 
-
-def addition_problems(n: int, seed: int) -> list[dict]:
-    """n distinct additions in gsm8k's row format: {"question": "What is a + b?", "answer": "#### a+b"}."""
-    pairs = [(a, b) for a in range(1, ADDITION_MAX + 1) for b in range(1, ADDITION_MAX + 1)]
+@generated("addition")
+def addition_problems(n: int, seed: int, args: dict) -> list[dict]:
+    """n distinct additions in gsm8k's row format: {"question": "What is a + b?", "answer": "#### a+b"}, a and b
+    in 1..--task_args max_operand."""
+    largest = args["max_operand"]
+    pairs = [(a, b) for a in range(1, largest + 1) for b in range(1, largest + 1)]
     if n > len(pairs):
         raise SystemExit(
-            f"--train_size + --test_size = {n}, but only {len(pairs)} distinct additions exist: "
-            "lower them, or raise ADDITION_MAX in reward.py"
+            f"--train_size + --test_size = {n}, but only {len(pairs)} distinct additions of 1..{largest} exist: "
+            "lower them, or raise --task_args max_operand"
         )
     chosen = random.Random(seed).sample(pairs, n)
     return [{"question": f"What is {a} + {b}?", "answer": f"#### {a + b}"} for a, b in chosen]
@@ -293,9 +323,10 @@ def math_reward(completion: str, answer: str | None) -> float:
 # toy: the CPU demo's task, and shaping by length
 
 
-def toy_problems(n: int, seed: int) -> list[dict]:
-    """The CPU demo's task: n times "say a" (toy_reward)."""
-    return [{"target": "a"}] * n
+@generated("toy", held_out=False)
+def toy_problems(n: int, seed: int, args: dict) -> list[dict]:
+    """The CPU demo's task: n times "say a", or --task_args letter's (toy_reward)."""
+    return [{"target": args["letter"]}] * n
 
 
 def toy_reward(completion: str, target: str) -> float:
@@ -316,22 +347,62 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 # task data: generated, downloaded or read from --data_path, and checked before any model loads
 
-GENERATED = {"countdown": countdown_problems, "addition": addition_problems, "toy": toy_problems}  # need no download
 DATASETS = {"gsm8k": "openai/gsm8k", "math": "DigitalLearningGmbH/MATH-lighteval"}  # --data_path "" reads these
+FIRST_RANK = os.environ.get("RANK", "0") == "0"  # what is said at start, rank 0 says once
 
 
-def load_rows(task: str, split: str, data_path: str, train_size: int, test_size: int, seed: int) -> list[dict]:
-    """The raw rows of one split: from --data_path (a local folder of train.* and test.* splits, jsonl or parquet, or a
-    hub id) when given; else generated (GENERATED: the test split first, so they are disjoint); else from the task's
-    hub dataset (DATASETS)."""
+def task_args(task: str, text: str) -> dict:
+    """The task's options: its TASK_ARGS, with --task_args `text` ("key=value,...") over them, a value that reads as a
+    number a number. A key the task does not take stops the run, naming those it takes."""
+    args = dict(TASK_ARGS.get(task, {}))
+    for pair in filter(None, text.split(",")):
+        key, equals, value = (part.strip() for part in pair.partition("="))
+        if not equals:
+            raise SystemExit(f"--task_args {text}: give key=value pairs separated by commas, as letter=b")
+        if key not in args:
+            takes = f"takes {', '.join(args)}" if args else "takes no options"
+            raise SystemExit(f"--task_args {key}: --task {task} {takes} (TASK_ARGS in reward.py)")
+        args[key] = _number_or_text(value)
+    return args
+
+
+def _number_or_text(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def load_rows(dataset, split: str, cfg) -> list[dict]:
+    """The raw rows of one split of `dataset` (a PromptDataset): from --data_path (a local folder of train.* and
+    test.* splits, jsonl or parquet, or a hub id) when given; else from the task's generator (@generated: the test
+    split first, then the train split less the rows whose prompt the test split asks too); else from the task's hub
+    dataset (DATASETS)."""
+    task, data_path = cfg.task, cfg.data_path
     if not data_path and task in GENERATED:
-        problems = GENERATED[task](test_size + train_size, seed)
-        return problems[:test_size] if split == "test" else problems[test_size:]
+        generator, held_out = GENERATED[task]
+        rows = generator(cfg.test_size + cfg.train_size, cfg.seed, dataset.args)
+        test, train = rows[: cfg.test_size], rows[cfg.test_size :]
+        if split == "test":
+            return test
+        if not held_out:
+            return train
+        asked = set(prompts_of(dataset, test))
+        kept = [row for row, prompt in zip(train, prompts_of(dataset, train)) if prompt is None or prompt not in asked]
+        if len(kept) < len(train) and FIRST_RANK:
+            print(
+                f"note: {len(train) - len(kept)} of the {len(train)} train problems that --task {task} generated ask "
+                "what a test problem asks: they are left out, so that the splits stay disjoint",
+                flush=True,
+            )
+        return kept
     if not data_path and task not in DATASETS:
         raise SystemExit(
             f"--task {task}: reward.py has no data for it (it generates {', '.join(GENERATED)} and "
             f"downloads {', '.join(DATASETS)}); for your own task give --data_path a folder of "
-            "train.jsonl and test.jsonl (README: your own task)"
+            "train.jsonl and test.jsonl, or a generator (README: your own task)"
         )
     import datasets  # only data that is read needs it
 
@@ -347,13 +418,29 @@ def load_rows(task: str, split: str, data_path: str, train_size: int, test_size:
         ) from None
 
 
-def check_items(dataset, split: str, least: int = 1, warn: bool = True, tried: int = 64, tool: str = "") -> tuple:
+def prompts_of(dataset, rows: list[dict]) -> list[str | None]:
+    """The prompt that dataset's __getitem__ makes of each row, as text; None where it fails (check_items names it)."""
+    view = copy.copy(dataset)
+    view.rows = rows
+    prompts = []
+    for i in range(len(rows)):
+        try:
+            prompts.append(repr(view[i]["prompt"]))
+        except Exception:
+            prompts.append(None)
+    return prompts
+
+
+def check_items(
+    dataset, split: str, least: int = 1, warn: bool = True, tried: int = 64, tool: str = "", args: dict | None = None
+) -> tuple:
     """Before any model is loaded, the items of `dataset` (a PromptDataset, or a list): stop with one line when
     a row cannot be made an item, there are fewer than `least` items, they lack a field the prompt or reward_fn reads,
     reward_fn raises on each of the first `tried`, returns a number for some and a dict for others, or (with `tool`)
     the prompts never offer the tool; with `warn`, print how many items have a reference answer that does not parse
-    (their "answer" is None: every reward on them is 0). Returns the names of the terms that reward_fn returns on
-    the first `tried` items, in the order they first come: () when it returns a number."""
+    (their "answer" is None: every reward on them is 0). reward_fn gets `args`, the task's options. Returns the names
+    of the terms that reward_fn returns on the first `tried` items, in the order they first come: () when it returns
+    a number."""
     items = []
     for i in range(len(dataset)):
         try:
@@ -374,7 +461,7 @@ def check_items(dataset, split: str, least: int = 1, warn: bool = True, tried: i
     for item in items[:tried]:
         try:
             _ = item["prompt"]
-            returned.append(reward_fn("", item))
+            returned.append(reward_fn("", item, args))
         except KeyError as missing:
             raise SystemExit(
                 f"{split} items lack the field {missing} that the prompt or reward_fn reads: "

@@ -59,6 +59,7 @@ class Config:
     model: str = "Qwen/Qwen2.5-3B-Instruct"  # hub id or local folder; "tiny": random tiny Qwen2 + character tokenizer
     task: str = "countdown"  # countdown, gsm8k, math, addition, toy (README: tasks), or your own (README)
     data_path: str = ""  # a local folder of train.* and test.* (jsonl / parquet) or a hub id; "": the task's own data
+    task_args: str = ""  # key=value,...: the task's options (reward.TASK_ARGS), to its data and reward_fn
     train_size: int = 20000  # countdown / toy / addition: problems generated for training
     test_size: int = 500  # countdown / toy / addition: held-out problems, disjoint from training
     plain_template: bool = False  # R1-Zero's plain prompt even when the tokenizer has a chat template (base models)
@@ -112,15 +113,17 @@ class Config:
     lora_rank: Natural = 0  # > 0: LoRA of this rank on every linear layer of the blocks, the rest frozen (docs/lora.md)
     lora_alpha: Positive = 32.0  # LoRA's update is scaled by alpha / rank (32: as "LoRA Without Regret")
     eval_every: Natural = 50  # evaluate on the held-out split every N steps and at the end; 0: never
+    eval_before_train: bool = True  # with --eval_every: the baseline, evaluated before step 1 (logged as step 0)
     eval_prompts: Count = 256  # held-out prompts per evaluation
     eval_k: Count = 4  # samples per prompt for mean@k and pass@k
     eval_temperature: NonNegative = 1.0
     save_every: Natural = 50  # checkpoint every N steps; always at the end and when stopped by a signal
     keep_checkpoints: Count = 2  # the newest K complete checkpoints are kept
     resume: str = ""  # a checkpoint folder, or "auto": the newest complete one under out_dir (if any)
-    reward_workers: Count = 4  # processes computing rewards in parallel
+    reward_workers: Count = min(4, launch.usable_cpus())  # processes computing rewards in parallel
     reward_timeout: Annotated[float, AtLeast(0.001)] = 5.0  # seconds before a reward_fn call is cut off; it scores 0
     reward_weights: str = ""  # name=weight,...: reward_fn's terms weighted, then summed; a term left out weighs 1
+    accuracy_term: str = ""  # a term of reward_fn, correctness in [0, 1]: accuracy is its share at 1; "": reward's
     seed: int = 0
     out_dir: str = "runs/grpo"  # config.json, metrics.jsonl, checkpoints/ (README: where the outputs are)
     wandb_project: str = ""  # log to wandb too when set (WANDB_MODE=offline needs no network)
@@ -224,6 +227,7 @@ class Sample:
     truncated: bool = False  # cut off by --max_new_tokens rather than ended by a stop token
     terms: dict = field(default_factory=dict)  # reward_fn's terms by name, when it returns a dict of them
     reward: float = 0.0  # reward_fn's value (its terms weighted by --reward_weights and summed), before shaping
+    correct: bool = False  # what accuracy counts: the reward, or --accuracy_term's term, at least 1
     shaped_reward: float = 0.0  # the reward plus shaping (the overlong penalty): what advantages are made from
     advantage: float = 0.0
     loss_weight: float = 0.0  # the weight of each of its tokens in the mini-batch loss (--loss_agg)
@@ -358,8 +362,9 @@ def run_tools(samples, workers, tokenizer, cfg):
 
 def score_samples(samples, items, workers, tokenizer, cfg):
     """Each sample's reward: reward_fn's value with its item, or the sum of its terms weighted by --reward_weights;
-    whether --max_new_tokens cut it off (its last token is no stop token); its shaped reward, with DAPO's overlong
-    penalty. Returns why the failed calls and terms failed."""
+    whether it is correct (that, or --accuracy_term's term, at least 1); whether --max_new_tokens cut it off (its
+    last token is no stop token); its shaped reward, with DAPO's overlong penalty. Returns why the failed calls and
+    terms failed."""
     stop_ids = reward.stop_token_ids(tokenizer)
     completions = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     scores, errors = workers.score(completions, items)
@@ -369,6 +374,7 @@ def score_samples(samples, items, workers, tokenizer, cfg):
             s.terms = score
             score = sum(weights.get(name, 1.0) * term for name, term in score.items())
         s.reward = score
+        s.correct = (s.terms[cfg.accuracy_term] if cfg.accuracy_term else score) >= 1
         s.truncated = not s.response_ids or s.response_ids[-1] not in stop_ids  # SGLang versions differ at the end
         penalty = reward.overlong_penalty(len(s.response_ids), cfg.max_new_tokens, cfg.overlong_buffer)
         s.shaped_reward = score + penalty
@@ -708,7 +714,7 @@ def step_metrics(samples, token_sums, maxima, errors, rollout_counts, cfg, par, 
     sample_sums = dict(
         reward=sum(s.reward for s in samples),
         shaped_reward=sum(s.shaped_reward for s in samples),
-        accuracy=sum(s.reward >= 1 for s in samples),
+        accuracy=sum(s.correct for s in samples),
         response_len=sum(lengths),
         truncated=sum(s.truncated for s in samples),
         turns=sum(len(s.tool_outputs) + sum(s.sampled[-1:]) for s in samples),  # a turn per output, and the last
@@ -776,7 +782,9 @@ STEP_LINE = [
 
 def step_line(step, metrics, cfg):
     """The console line of STEP_LINE's parts, from the step's metrics."""
-    shown = dict(metrics, step=step + 1, steps=cfg.steps, eta=datetime.timedelta(seconds=round(metrics["eta_s"])))
+    shown = dict(metrics, step=step + 1, steps=cfg.steps)
+    if "eta_s" in metrics:  # not before training
+        shown["eta"] = datetime.timedelta(seconds=round(metrics["eta_s"]))
     terms = []
     for key, value in metrics.items():
         if key.startswith("reward/") and not key.endswith("/std"):
@@ -791,15 +799,16 @@ def step_line(step, metrics, cfg):
     return launch.format_parts(STEP_LINE, {key: shown[key] for key in shown if key not in hidden})
 
 
-def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
-    """The console line, a metrics.jsonl line and wandb; a sample at the first step and every --sample_every."""
+def log_step(step, metrics, cfg, wandb_run, sample=None, tokenizer=None):
+    """The console line, a metrics.jsonl line and wandb; a sample at the first step and every --sample_every. Step
+    -1: the evaluation before training, logged as step 0."""
     line = step_line(step, metrics, cfg)
     evals = [f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_") and k != "eval_prompts"]
     if evals:
         line += f"\n  eval ({metrics['eval_prompts']:.0f} prompts): " + " | ".join(evals)
     print(line, flush=True)
     checkpoint.append_metrics(cfg.out_dir, step + 1, metrics)
-    if cfg.sample_every > 0 and (step == 0 or (step + 1) % cfg.sample_every == 0):
+    if sample is not None and cfg.sample_every > 0 and (step == 0 or (step + 1) % cfg.sample_every == 0):
         text = tokenizer.decode(sample.prompt_ids) + tokenizer.decode(sample.response_ids)  # wandb keeps the console
         shaped = f", shaped {sample.shaped_reward:.3f}" if sample.shaped_reward != sample.reward else ""
         print(f"  sample (reward {sample.reward:.3f}{shaped}):\n{text}", flush=True)
@@ -808,30 +817,37 @@ def log_step(step, metrics, cfg, wandb_run, sample, tokenizer):
 
 
 def evaluate(engine, tokenizer, test_set, workers, cfg, par):
-    """Greedy accuracy, mean@k and pass@k (of k samples at --eval_temperature) on --eval_prompts held-out prompts."""
+    """Greedy accuracy, mean@k and pass@k (of k samples at --eval_temperature) on --eval_prompts held-out prompts,
+    a response counted as training counts it (Sample.correct); and each reward term's mean over the greedy ones."""
     dp_rank = par.mesh["dp"].get_local_rank()
     dp = par.mesh["dp"].size()
     items = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
 
     generate = functools.partial(generate_rollouts, engine, workers, tokenizer, items, cfg, cfg.seed)
 
-    def solved(n, temperature):  # [len(items), n]: reward 1.0; a rank without items (more ranks than prompts): [0, n]
-        samples, _ = launch.on_first_rank(par.tp_group, generate, temperature, n)
-        return torch.tensor([s.reward for s in samples]).view(-1, n) >= 1
+    def rollouts(n, temperature):  # a rank without items (more ranks than prompts) has none
+        return launch.on_first_rank(par.tp_group, generate, temperature, n)[0]
 
-    sampled = solved(cfg.eval_k, cfg.eval_temperature)
-    greedy = solved(1, 0.0)
+    sampled = torch.tensor([s.correct for s in rollouts(cfg.eval_k, cfg.eval_temperature)]).view(-1, cfg.eval_k)
+    greedy = rollouts(1, 0.0)
     sums = dict(
-        greedy=greedy.sum(), mean_at_k=sampled.float().mean(1).sum(), pass_at_k=sampled.any(1).sum(), n=len(items)
+        greedy=sum(s.correct for s in greedy),
+        mean_at_k=sampled.float().mean(1).sum(),
+        pass_at_k=sampled.any(1).sum(),
+        n=len(items),
     )
+    for name in test_set.reward_terms:  # the same names on every rank
+        sums[f"eval_reward/{name}"] = sum(s.terms[name] for s in greedy)
     totals = launch.sum_over_world(sums, par)
     n = totals["n"]  # at least 1: --eval_prompts >= 1
-    return {
+    metrics = {
         "eval_greedy_acc": totals["greedy"] / n,
         f"eval_mean@{cfg.eval_k}": totals["mean_at_k"] / n,
         f"eval_pass@{cfg.eval_k}": totals["pass_at_k"] / n,
-        "eval_prompts": n,
     }
+    for name in test_set.reward_terms:
+        metrics[f"eval_reward/{name}"] = totals[f"eval_reward/{name}"] / n
+    return dict(metrics, eval_prompts=n)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -850,9 +866,7 @@ def main():
     train_set = PromptDataset(cfg, "train")
     test_set = PromptDataset(cfg, "test") if cfg.eval_every > 0 else None  # no evaluation needs no test split
     terms = train_set.reward_terms  # the names of reward_fn's terms, where it returns a dict of them
-    unknown = sorted(flags.named_numbers(cfg, "reward_weights").keys() - set(terms))
-    if unknown:  # reward_fn returned no such term on any of the items tried
-        raise SystemExit(f"--reward_weights weighs {unknown[0]!r}, which reward_fn does not return (only {terms})")
+    flags.check_terms(cfg, terms)  # --reward_weights, --accuracy_term
     tokenizer, model_config = checkpoint.load_tokenizer_and_config(cfg, [*train_set, *(test_set or [])])
     files = [None]  # --model tiny: random weights
     if cfg.model != "tiny":
@@ -863,6 +877,9 @@ def main():
     # The run folder, once every check passed: a run refused leaves it as it was.
     run_id = launch.on_first_rank(par.world_group, checkpoint.open_run_dir, cfg, start_step, wandb_id)
     checkpoint.check_every_rank_sees(cfg.out_dir, run_id, par.world_group)
+    if rank == 0:
+        for note in flags.start_notes(cfg, terms):
+            print(textwrap.fill(note, 120, subsequent_indent="  "), flush=True)
     wandb_run = None
     if rank == 0 and cfg.wandb_project:
         import wandb
@@ -890,8 +907,9 @@ def main():
             if saved is not None:
                 in_flight = InFlight.from_state(saved, Sample)
         # Forked before the engine and the signal handlers exist. Rank 0 shows the first failed call's traceback.
+        reward_fn = functools.partial(reward.reward_fn, args=train_set.args)  # --task_args
         reward_workers = sandbox.RewardWorkers(
-            reward.reward_fn, cfg.reward_workers, cfg.reward_timeout, terms, show_first_error=rank == 0
+            reward_fn, cfg.reward_workers, cfg.reward_timeout, terms, show_first_error=rank == 0
         )
         engines.free_gpu_cache(par.tp_group)  # SGLang sizes itself from the free memory it sees at start
         engine = engines.start_engine(cfg, model_config, par, device)
@@ -899,6 +917,11 @@ def main():
     try:
         engine.release_memory()  # the first push, as every other, finds the engine's memory released
         engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
+        if cfg.eval_every > 0 and cfg.eval_before_train and start_step == 0:  # the baseline; a resume has it
+            with launch.announce(f"evaluating on {min(cfg.eval_prompts, len(test_set))} held-out prompts", rank):
+                baseline = evaluate(engine, tokenizer, test_set, reward_workers, cfg, par)
+            if rank == 0:
+                log_step(-1, baseline, cfg, wandb_run)
         run_start = time.perf_counter()
         said_no_signal = False
         for step in range(start_step, cfg.steps):

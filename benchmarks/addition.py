@@ -70,6 +70,7 @@ def run_train_py(folder, out_dir, steps, eval_every, engine="hf", nproc=2, job=J
         "eval_every": eval_every,
         "eval_k": 1,
         "save_every": 0,
+        "eval_before_train": "false",  # the accuracy before is measured apart, alike for both trainers
         "micro_batch_size": 16,
         "reward_workers": 2,
         "out_dir": out_dir,

@@ -72,12 +72,13 @@ def run_segment(folder, out_dir, job, steps, flags, engine, nproc, micro_batch_s
 
 
 def rows_of(out_dir):
-    """The rows of a run's metrics.jsonl; none before it starts."""
+    """The steps' rows of a run's metrics.jsonl (not step 0's, the evaluation before training); none before it
+    starts."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f]
+        return [row for row in map(json.loads, f) if row["step"] > 0]
 
 
 def summary(rows):

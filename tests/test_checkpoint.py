@@ -26,7 +26,7 @@ import launch
 import reward
 import train
 from demo_model import demo_config, demo_tokenizer
-from test_train import ROOT, metrics, torchrun
+from test_train import ROOT, metrics, metrics_lines, torchrun
 from workers import run_ranks
 
 FLAGS = (
@@ -71,6 +71,10 @@ def test_k_steps_resume_k_steps_equals_2k_steps(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming " in second.stdout and "checkpoints/step_000003... " in second.stdout
     assert logged(split) == logged(straight)  # same rewards, losses, grad norms, eval, step by step
+    # The evaluation before training belongs to the first start: the resumed run keeps its line and adds none.
+    assert "step 0/3\n" in first.stdout and "step 0/" not in second.stdout
+    assert [row["step"] for row in metrics_lines(split)] == list(range(7))
+    assert metrics_lines(split)[0] == metrics_lines(straight)[0]
     # lr 1e-2: warm-up over 2 steps, then cosine from 1 down to 0.1 at the last of 6: 1 + cos(pi x (0, 1/3, 2/3, 1))
     assert [row["lr"] for row in logged(split)] == pytest.approx([0.005, 0.01, 0.01, 0.00775, 0.00325, 0.001])
     a, b = hf_weights(straight, 6), hf_weights(split, 6)

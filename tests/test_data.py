@@ -6,6 +6,7 @@ import importlib.util
 import itertools
 import json
 import math
+import os
 import re
 import string
 from fractions import Fraction
@@ -65,14 +66,14 @@ def test_solver_finds_known_solution_and_rejects_unsolvable():
 
 
 def test_countdown_problems_are_solvable_with_every_number_once():
-    problems = reward.countdown_problems(200, seed=0)
+    problems = reward.countdown_problems(200, 0, {})
     assert len(problems) == 200
     for p in problems:
         assert solve_countdown(p["nums"], p["target"]) is not None, p
 
 
 def test_countdown_problems_have_three_or_four_numbers_in_range_and_integer_targets():
-    problems = reward.countdown_problems(200, seed=0)
+    problems = reward.countdown_problems(200, 0, {})
     assert {len(p["nums"]) for p in problems} == {3, 4}
     for p in problems:
         assert all(isinstance(n, int) and 1 <= n <= 99 for n in p["nums"]), p
@@ -80,13 +81,15 @@ def test_countdown_problems_have_three_or_four_numbers_in_range_and_integer_targ
 
 
 def test_countdown_problems_are_distinct():
-    problems = reward.countdown_problems(500, seed=0)
+    problems = reward.countdown_problems(500, 0, {})
     assert len({key(p) for p in problems}) == 500
 
 
 def test_countdown_problems_follow_the_seed():
-    assert reward.countdown_problems(50, seed=3) == reward.countdown_problems(50, seed=3)
-    assert {key(p) for p in reward.countdown_problems(50, seed=3)} != {key(p) for p in reward.countdown_problems(50, 4)}
+    assert reward.countdown_problems(50, 3, {}) == reward.countdown_problems(50, 3, {})
+    assert {key(p) for p in reward.countdown_problems(50, 3, {})} != {
+        key(p) for p in reward.countdown_problems(50, 4, {})
+    }
 
 
 def test_countdown_solution_scores_one_through_reward():
@@ -110,9 +113,16 @@ def test_countdown_item_is_a_chat_prompt_naming_numbers_and_target():
     assert "<answer>" in message["content"]
 
 
+def split_rows(split, **flags):
+    """The rows of a split of PromptDataset under `flags` (train.Config's)."""
+    return train.PromptDataset(train.Config(**flags), split).rows
+
+
 def test_countdown_train_and_test_splits_are_disjoint_and_sized():
     cfg = train.Config(task="countdown", train_size=300, test_size=50)
-    train_rows, test_rows = (reward.load_rows("countdown", split, "", 300, 50, 0) for split in ("train", "test"))
+    train_rows, test_rows = (
+        split_rows(split, task="countdown", train_size=300, test_size=50) for split in ("train", "test")
+    )
     assert len(train_rows) == 300 and len(test_rows) == 50
     assert len({key(p) for p in train_rows}) == 300 and len({key(p) for p in test_rows}) == 50
     assert not {key(p) for p in train_rows} & {key(p) for p in test_rows}
@@ -121,8 +131,8 @@ def test_countdown_train_and_test_splits_are_disjoint_and_sized():
 
 def test_countdown_test_split_does_not_depend_on_train_size():
     """The held-out set stays the same when only --train_size changes, so evaluations stay comparable."""
-    small = reward.load_rows("countdown", "test", "", train_size=10, test_size=50, seed=0)
-    large = reward.load_rows("countdown", "test", "", train_size=400, test_size=50, seed=0)
+    small = split_rows("test", task="countdown", train_size=10, test_size=50, prompts_per_step=8)
+    large = split_rows("test", task="countdown", train_size=400, test_size=50)
     assert small == large
 
 
@@ -133,11 +143,13 @@ def test_addition_splits_are_disjoint_and_each_item_is_graded_by_its_sum():
     assert len(set(questions[0])) == 700 and len(set(questions[1])) == 200 and not set(questions[0]) & set(questions[1])
     for item in list(test_set)[:20]:
         a, b = map(int, item["prompt"][0]["content"].split("?")[0].removeprefix("What is ").split(" + "))
-        assert 1 <= a <= reward.ADDITION_MAX and 1 <= b <= reward.ADDITION_MAX and item["answer"] == str(a + b)
+        assert 1 <= a <= 30 and 1 <= b <= 30 and item["answer"] == str(a + b)  # --task_args max_operand's default
         assert reward.reward_fn(f"{a} + {b} = \\boxed{{{a + b}}}", item) == 1.0
         assert reward.reward_fn(f"{a} + {b} = \\boxed{{{a + b + 1}}}", item) == 0.0
-    with pytest.raises(SystemExit, match="--train_size"):  # 30 x 30 = 900 distinct problems exist
-        reward.load_rows("addition", "train", "", train_size=800, test_size=200, seed=0)
+    with pytest.raises(SystemExit, match="--train_size .* raise --task_args max_operand"):  # 30 x 30 exist
+        split_rows("train", task="addition", train_size=800, test_size=200)
+    wider = split_rows("train", task="addition", train_size=800, test_size=200, task_args="max_operand=40")
+    assert len(wider) == 800 and any("40" in row["question"] for row in wider)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -208,13 +220,14 @@ def test_data_path_is_read_for_a_generated_task_too(tmp_path, datasets_cache):
         ([2, 7], 14),
     ]
     assert [item["nums"] for item in train.PromptDataset(cfg, "test")] == [[2, 7]]
-    assert reward.load_rows("countdown", "train", "", 5, 2, 0) == reward.countdown_problems(7, 0)[2:]  # no path
+    no_path = split_rows("train", task="countdown", train_size=5, test_size=2, prompts_per_step=2)
+    assert no_path == reward.countdown_problems(7, 0, {})[2:]
 
 
 def test_any_task_name_parses_and_one_without_data_stops_naming_the_flag_and_the_tasks_with_data():
     assert parse(["--task", "mnist"]).task == "mnist"  # a user's own task: no fixed list of choices
     with pytest.raises(SystemExit, match="--task mnist: reward.py has no data for it .*countdown.*gsm8k"):
-        reward.load_rows("mnist", "train", "", 10, 10, 0)
+        split_rows("train", task="mnist")
 
 
 MATH_ROWS = [
@@ -611,17 +624,17 @@ def test_prompts_that_leave_no_room_for_max_new_tokens_stop_the_run_naming_the_f
     items = [{"prompt": "Say a:"}, {"prompt": [{"role": "user", "content": "x" * 40}]}]
     longest = max(len(reward.encode_prompt(tokenizer, item["prompt"])) for item in items)
     assert longest >= 40
-    # --model tiny's context is 512 tokens. SGLang 0.5.23 aborts a request (and fails its whole batch) whose input
-    # reaches 512 - 6 (tp_worker: max_req_input_len = context - 1 - 5); a tool turn's input is the prompt and up to
-    # --max_new_tokens - 1 tokens of response. It also ends responses at 512 - 2 tokens in all.
-    checkpoint.load_tokenizer_and_config(
-        train.Config(model="tiny", max_new_tokens=506 - longest), items
-    )  # fits exactly
+    # SGLang 0.5.23 aborts a request (and fails its whole batch) whose input reaches the context - 6 (tp_worker:
+    # max_req_input_len = context - 1 - 5); a tool turn's input is the prompt and up to --max_new_tokens - 1 tokens of
+    # response. It also ends responses at the context - 2 tokens in all.
+    context = demo_config().max_position_embeddings
+    fits = context - 6 - longest
+    checkpoint.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=fits), items)  # fits exactly
     with pytest.raises(
         SystemExit,
-        match=f"{longest} tokens\\) and --max_new_tokens {507 - longest} exceed the context length 512 less 6",
+        match=f"{longest} tokens\\) and --max_new_tokens {fits + 1} exceed the context length {context} less 6",
     ):
-        checkpoint.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=507 - longest), items)
+        checkpoint.load_tokenizer_and_config(train.Config(model="tiny", max_new_tokens=fits + 1), items)
 
 
 def test_reference_answers_that_do_not_parse_are_none_and_counted_in_a_printed_warning(capsys):
@@ -641,7 +654,7 @@ def test_reference_answers_that_do_not_parse_are_none_and_counted_in_a_printed_w
 
 
 def test_a_reward_fn_that_fails_on_every_item_stops_the_run_in_one_line(monkeypatch, capsys):
-    def broken(completion, item):
+    def broken(completion, item, args=None):
         raise ZeroDivisionError("division by zero")
 
     monkeypatch.setattr(reward, "reward_fn", broken)
@@ -653,7 +666,9 @@ def test_a_reward_fn_that_fails_on_every_item_stops_the_run_in_one_line(monkeypa
     ):
         reward.check_items(items, "train")
     calls = iter(range(1000))
-    monkeypatch.setattr(reward, "reward_fn", lambda c, s: 1 / (next(calls) % 2))  # fails on half: a model's fault
+    monkeypatch.setattr(
+        reward, "reward_fn", lambda c, s, args=None: 1 / (next(calls) % 2)
+    )  # fails on half: a model's fault
     reward.check_items(items, "train")  # no SystemExit, and no warning: toy items have no reference answer
     assert capsys.readouterr().out == ""
 
@@ -732,3 +747,62 @@ def test_resuming_a_checkpoint_already_at_steps_says_so(tmp_path):
             checkpoint.find_resume(
                 train.Config(out_dir=str(tmp_path), resume="auto", steps=steps), demo_config(vocab_size=103)
             )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a task's options, a generated task's disjoint splits, and the notes said at start
+
+
+def test_task_args_take_a_tasks_declared_keys_numbers_as_numbers_and_refuse_the_others():
+    assert reward.task_args("toy", "") == {"letter": "a"}  # TASK_ARGS' defaults
+    assert reward.task_args("toy", " letter = b ") == {"letter": "b"}
+    assert reward.task_args("addition", "max_operand=40") == {"max_operand": 40}
+    assert isinstance(reward.task_args("addition", "max_operand=40")["max_operand"], int)
+    assert reward.task_args("addition", "max_operand=2.5") == {"max_operand": 2.5}
+    with pytest.raises(SystemExit, match=r"^--task_args colour: --task toy takes letter \(TASK_ARGS in reward.py\)$"):
+        reward.task_args("toy", "colour=red")
+    with pytest.raises(SystemExit, match=r"^--task_args depth: --task countdown takes no options"):
+        reward.task_args("countdown", "depth=3")
+    with pytest.raises(SystemExit, match="give key=value pairs separated by commas"):
+        reward.task_args("toy", "letter")
+    cfg = train.Config(task="toy", task_args="letter=z", train_size=10, test_size=2, prompts_per_step=2)
+    dataset = train.PromptDataset(cfg, "train")
+    assert dataset.args == {"letter": "z"} and dataset[0]["prompt"] == "Say z:"
+
+
+def test_a_generators_train_rows_whose_prompt_a_test_row_gives_are_left_out_and_said(monkeypatch, capsys):
+    """A generator that draws the same problems again (7 letters for 40 rows): the test split is its first rows, and
+    the train split keeps only the rows whose prompt no test row gives, whatever the generator drew."""
+    monkeypatch.setitem(reward.GENERATED, "toy", reward.GENERATED["toy"])  # the demo's generator back after the test
+
+    @reward.generated("toy")  # the toy task's rows, now drawn with repeats and held out
+    def repeating(n, seed, args):
+        return [{"target": "abcdefg"[i % 7]} for i in range(n)]
+
+    cfg = train.Config(task="toy", train_size=37, test_size=3, prompts_per_step=2)
+    test_set, train_set = train.PromptDataset(cfg, "test"), train.PromptDataset(cfg, "train")
+    assert [item["target"] for item in test_set] == ["a", "b", "c"]
+    assert {item["target"] for item in train_set} == {"d", "e", "f", "g"} and len(train_set) == 37 - 15
+    assert "note: 15 of the 37 train problems that --task toy generated ask what a test problem asks" in " ".join(
+        capsys.readouterr().out.split()
+    )
+
+
+def test_start_notes_name_accuracy_counted_by_a_sum_of_terms_and_a_warm_up_of_half_the_run():
+    def notes(terms=(), **changes):
+        return flags.start_notes(train.Config(**changes), terms)
+
+    assert notes() == [] and notes(("correct",)) == [] and notes(("correct", "format"), accuracy_term="correct") == []
+    [accuracy] = notes(("correct", "format"), warmup_steps=0)
+    assert "weighted sum of the terms correct, format" in accuracy and "--accuracy_term" in accuracy
+    [warm_up] = notes(steps=8, warmup_steps=10)
+    assert (
+        warm_up
+        == "note: --warmup_steps 10 keeps the learning rate below --lr for 8 of the 8 steps: lower it for a short run"
+    )
+    assert notes(steps=10, warmup_steps=6) != [] and notes(steps=10, warmup_steps=5) == []  # 5 of 10, 4 of 10
+    assert notes(steps=200, warmup_steps=10) == []  # the defaults
+
+
+def test_reward_workers_default_to_no_more_than_the_cpus_the_process_may_use():
+    assert train.Config().reward_workers == min(4, len(os.sched_getaffinity(0)))

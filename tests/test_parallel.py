@@ -398,7 +398,10 @@ def reward_term_metrics(rank, world, terms):
     par = launch.parallel_groups("cpu", 1)
     samples = []
     for correct, bonus in terms[rank]:
-        sample = train.Sample([1], [5], [True], reward=correct + 0.5 * bonus, terms=dict(correct=correct, bonus=bonus))
+        reward = correct + 0.5 * bonus
+        sample = train.Sample(
+            [1], [5], [True], reward=reward, correct=reward >= 1, terms=dict(correct=correct, bonus=bonus)
+        )
         samples.append(sample)
     return train.step_metrics(samples, {}, {}, [], {}, train.Config(group_size=2), par)
 

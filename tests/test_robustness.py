@@ -21,7 +21,7 @@ BAD_REWARD = '''
 _reward_fn = reward_fn
 
 
-def reward_fn(completion, item):
+def reward_fn(completion, item, args=None):
     """Raises on some completions, hangs on others (in Python, and where SIGALRM cannot reach), returns what is not
     a number, ends its process, starts a process of its own, and scores the rest."""
     import os, signal, subprocess, time
@@ -149,7 +149,7 @@ TERMS_REWARD = '''
 _reward_fn = reward_fn
 
 
-def reward_fn(completion, item):
+def reward_fn(completion, item, args=None):
     """Named terms, and on some completions a hostile return: a NaN or a string for a term, a term missing, an
     unknown one, a number or a list instead of a dict, a call that raises."""
     correct = _reward_fn(completion, item)
@@ -215,18 +215,22 @@ def test_the_run_takes_its_reward_terms_from_what_reward_fn_returns_on_the_items
     term whose name is not a string, stops the run in one line."""
     items = [{"prompt": "Say a:", "task": "toy", "target": t} for t in "abc"]
     assert reward.check_items(items, "train") == ("correct", "format")
-    monkeypatch.setattr(reward, "reward_fn", lambda completion, item: 0.0)
+    monkeypatch.setattr(reward, "reward_fn", lambda completion, item, args=None: 0.0)
     assert reward.check_items(items, "train") == ()
-    monkeypatch.setattr(reward, "reward_fn", lambda completion, item: {"c": 1.0} if item["target"] == "a" else 1.0)
+    monkeypatch.setattr(
+        reward, "reward_fn", lambda completion, item, args=None: {"c": 1.0} if item["target"] == "a" else 1.0
+    )
     with pytest.raises(SystemExit, match="a dict of terms \\('c', ...\\) for some train items and a number for others"):
         reward.check_items(items, "train")
-    monkeypatch.setattr(reward, "reward_fn", lambda completion, item: {"c": 1.0, 2: 0.5})
+    monkeypatch.setattr(reward, "reward_fn", lambda completion, item, args=None: {"c": 1.0, 2: 0.5})
     with pytest.raises(SystemExit, match="reward_fn returns a term named 2: name each term with a string"):
         reward.check_items(items, "train")
-    monkeypatch.setattr(reward, "reward_fn", lambda completion, item: {"c/std": 1.0})  # its std's key is c/std's
+    monkeypatch.setattr(
+        reward, "reward_fn", lambda completion, item, args=None: {"c/std": 1.0}
+    )  # its std's key is c/std's
     with pytest.raises(SystemExit, match="a term named 'c/std': name each term with a string, no /"):
         reward.check_items(items, "train")
-    monkeypatch.setattr(reward, "reward_fn", lambda completion, item: {"c": 1.0} if completion else {})
+    monkeypatch.setattr(reward, "reward_fn", lambda completion, item, args=None: {"c": 1.0} if completion else {})
     with pytest.raises(SystemExit, match="reward_fn returns an empty dict for an empty completion: return every term"):
         reward.check_items(items, "train")
 

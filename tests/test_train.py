@@ -28,9 +28,15 @@ def torchrun(nproc, *flags, timeout=300, cwd=ROOT, script="train.py", **env_vars
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def metrics(out_dir):
+def metrics_lines(out_dir):
+    """Every line of a run's metrics.jsonl: the evaluation before training as step 0, then each step's."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def metrics(out_dir):
+    """The training steps' lines of a run's metrics.jsonl."""
+    return [row for row in metrics_lines(out_dir) if row["step"] > 0]
 
 
 def test_cpu_preset_learns_the_toy_reward(tmp_path):
@@ -74,13 +80,22 @@ def test_cpu_preset_learns_the_toy_reward(tmp_path):
     assert all(r["eval_mean@4"] <= r["eval_pass@4"] for r in evals)
     assert evals[-1]["eval_greedy_acc"] == evals[-1]["eval_mean@4"] == evals[-1]["eval_pass@4"] == 1.0
     assert evals[0]["eval_mean@4"] < 0.5  # at step 10 sampling still strays: mean@4 is not yet 1
+    # And before step 1, the baseline: metrics.jsonl's first line is step 0, an evaluation alone, of the random model.
+    baseline = metrics_lines(tmp_path)[0]
+    assert baseline.keys() == {"step", "eval_greedy_acc", "eval_mean@4", "eval_pass@4", "eval_prompts"}
+    assert baseline["step"] == 0 and baseline["eval_greedy_acc"] == baseline["eval_pass@4"] == 0.0
     # The console: the flags that differ from the defaults at once, before the model loads; loading, evaluation and
     # saving say how long they took; one step a line with the share of responses cut off, the learning rate and its
     # ETA; a sample at step 1 and every --sample_every (10) steps; a last line saying where the results are and how
     # long the run took; no warning on stderr.
     out = run.stdout
     assert out.index("config: model=tiny task=toy train_size=1000") < out.index("loading tiny and the engine")
-    assert out.index("loading tiny and the engine") < out.index("step 1/30")
+    assert (
+        out.index("loading tiny and the engine")
+        < out.index("step 0/30\n  eval (16 prompts): ")
+        < out.index("step 1/30")
+    )
+    assert out.count("evaluating on 16 held-out prompts... ") == 4  # before step 1, after steps 10, 20 and 30
     assert "clip_low=" not in out  # a default: config.json holds it
     assert json.loads((tmp_path / "config.json").read_text())["clip_low"] == 0.2
     assert re.search(r"loading tiny and the engine\.\.\. [0-9.]+s", out)
@@ -402,30 +417,36 @@ def readme_section(title):
     return text[start : text.index("\n## ", start + 1)]
 
 
-def test_a_new_task_in_two_edits_learns_from_a_jsonl_folder(tmp_path):
+def test_a_new_task_in_two_edits_learns_from_a_jsonl_folder_or_a_generator(tmp_path):
     """README "Your own task", done as a user would: its Python makes the jsonl folder, its two code blocks go into a
-    copy of reward.py (PromptDataset.__getitem__ and reward_fn), and its command trains, reward rising."""
-    make_data, getitem_branch, reward_branch = re.findall(r"```python\n(.*?)```", readme_section("Your own task"), re.S)
+    copy of reward.py (PromptDataset.__getitem__ and reward_fn), and its command trains, reward rising. Then its
+    generator goes at the end of reward.py in place of the folder: its command trains too, on disjoint splits."""
+    section = readme_section("Your own task")
+    make_data, getitem_branch, reward_branch, generator = re.findall(r"```python\n(.*?)```", section, re.S)
     with open(os.path.join(ROOT, "reward.py")) as f:
         source = f.read()
     for anchor, branch in (
-        ('        if task == "toy":\n', getitem_branch),
+        ('        if task == "toy":', getitem_branch),
         ('    raise ValueError(f"unknown task', reward_branch),
     ):
         assert source.count(anchor) == 1, anchor  # the one place the README's edit goes
         source = source.replace(anchor, branch + anchor)
-    for path in glob.glob(os.path.join(ROOT, "*.py")):  # train.py and the modules beside it
-        shutil.copy(path, tmp_path)
-    (tmp_path / "reward.py").write_text(source)
+    copy_project(tmp_path, source + "\n\n" + generator)
     subprocess.run([sys.executable, "-c", make_data], cwd=tmp_path, check=True)
-    [command] = [line for line in readme_section("Your own task").splitlines() if line.startswith("torchrun")]
-    flags = command.split("train.py ")[1].split()
-    run = torchrun(2, *flags, "--out_dir", str(tmp_path / "out"), cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = metrics(tmp_path / "out")
-    assert len(rows) == 30 and all(r["reward_errors"] == 0 for r in rows)
-    first, last = (sum(r["reward"] for r in part) / len(part) for part in (rows[:5], rows[-5:]))
-    assert first < 0.2 and last > first + 0.4, (first, last)
+    folder_command, generated_command = [line for line in section.splitlines() if line.startswith("torchrun")]
+    for name, command in (("folder", folder_command), ("generated", generated_command)):
+        flags = command.split("train.py ")[1].split()
+        run = torchrun(2, *flags, "--out_dir", str(tmp_path / name), cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows = metrics(tmp_path / name)
+        assert len(rows) == 30 and all(r["reward_errors"] == 0 for r in rows)
+        first, last = (sum(r["reward"] for r in part) / len(part) for part in (rows[:5], rows[-5:]))
+        assert first < 0.2 and last > first + 0.4, (name, first, last)
+    # 1,100 words of 12 letters drawn from 4,096: the train words that a test word repeats are left out, and said.
+    said = re.search(
+        r"note: (\d+) of the 1000 train problems that --task letters generated ask what a test", run.stdout
+    )
+    assert said and 0 < int(said.group(1)) < 100, run.stdout[:2000]
 
 
 def readme_block(heading):
@@ -478,7 +499,7 @@ def test_dynamic_sampling_keeps_a_group_whose_shaped_rewards_differ(tmp_path):
     each step: 2 ranks x 2 rounds x 4 groups, less the 4 a rank refills with)."""
     with open(os.path.join(ROOT, "reward.py")) as f:
         source = f.read()
-    copy_project(tmp_path, source + "\n\ndef reward_fn(completion, item):\n    return 0.5\n")
+    copy_project(tmp_path, source + "\n\ndef reward_fn(completion, item, args=None):\n    return 0.5\n")
     flags = ("--preset", "cpu", "--steps", "3", "--eval_every", "0", "--overlong_buffer", "16")
     run = torchrun(2, *flags, "--dynamic_sampling_rounds", "1", "--out_dir", str(tmp_path / "out"), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -665,3 +686,101 @@ def test_a_broken_jsonl_line_is_named_once_by_its_file_and_line(tmp_path):
     said = f"--data_path {tmp_path}/data: {tmp_path}/data/train.jsonl, line 6: "
     assert run.returncode != 0 and out.count(said) == 1, out[-3000:]
     assert "fix or remove that line" in out and "JSON parse error" not in out and "loading" not in out
+
+
+# A toy reward of three terms: correctness (every character the letter), the share of the letter (which the model
+# learns from), and a bonus for starting with the letter, which alone brings the sum to 1: a response "ab..." would
+# count as accurate by the sum.
+CORRECT_AND_BONUS = """    if task == "toy":
+        share = toy_reward(completion, item["target"])
+        return {"correct": float(share == 1), "letter": share, "bonus": float(completion.strip()[:1] == item["target"])}
+"""
+
+
+def test_accuracy_is_the_accuracy_terms_share_at_training_and_evaluation_and_the_sum_is_said_at_start(tmp_path):
+    """--accuracy_term correct: each step's accuracy is the share of responses whose correctness term is 1 (its
+    mean, as the term is 0 or 1), though the bonus alone reaches 1; each evaluation's greedy accuracy is that of its
+    greedy responses, and it logs each term's mean over them. Without the flag, accuracy counts the sum, and the run
+    says so at start, once, naming the flag; a term that reward_fn does not return is refused."""
+    with open(os.path.join(ROOT, "reward.py")) as f:
+        source = f.read()
+    anchor = '    if task == "toy":\n        return toy_reward('
+    copy_project(tmp_path, source.replace(anchor, CORRECT_AND_BONUS + anchor))
+    flags = ("--preset", "cpu", "--eval_every", "8", "--eval_k", "2", "--sample_every", "0")
+    run = torchrun(
+        2, *flags, "--steps", "16", "--accuracy_term", "correct", "--out_dir", str(tmp_path / "a"), cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "note: accuracy" not in run.stdout
+    rows = metrics(tmp_path / "a")
+    assert all(r["accuracy"] == pytest.approx(r["reward/correct"], abs=1e-12) for r in rows)
+    assert rows[-1]["accuracy"] > 0.5  # learned: the check is not one of zeros
+    assert any(r["reward/bonus"] > r["reward/correct"] + 0.2 for r in rows)  # the bonus alone, often: not counted
+    evals = [r for r in metrics_lines(tmp_path / "a") if "eval_greedy_acc" in r]
+    assert [r["step"] for r in evals] == [0, 8, 16]
+    assert all(r["eval_greedy_acc"] == pytest.approx(r["eval_reward/correct"], abs=1e-12) for r in evals)
+    assert all(0 <= r["eval_reward/bonus"] <= 1 for r in evals) and evals[-1]["eval_greedy_acc"] == 1.0
+    assert re.search(
+        r"eval_greedy_acc 1\.000 \| eval_mean@2 [0-9.]+ \| eval_pass@2 [0-9.]+ \| eval_reward/correct", run.stdout
+    )
+    summed = torchrun(2, *flags, "--steps", "3", "--out_dir", str(tmp_path / "s"), cwd=tmp_path)
+    assert summed.returncode == 0, summed.stderr[-3000:]
+    terms = "correct, letter, bonus"
+    note = f"note: accuracy counts a response right when its reward, the weighted sum of the terms {terms}, is 1"
+    assert " ".join(summed.stdout.split()).count(note) == 1 and "--accuracy_term" in summed.stdout
+    for r in metrics(tmp_path / "s"):  # a bonus of 1 is accurate by the sum
+        assert r["accuracy"] >= r["reward/bonus"] - 1e-12
+    refused = torchrun(2, *flags, "--accuracy_term", "right", "--out_dir", str(tmp_path / "r"), cwd=tmp_path)
+    out = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "loading" not in out
+    assert out.count("--accuracy_term right: reward_fn returns no such term (only ('correct', 'letter', 'bonus'))") == 1
+
+
+def test_task_args_reach_the_tasks_data_and_the_demo_learns_the_letter_they_give(tmp_path):
+    """--task_args letter=b: the toy task's rows say b (its generator takes the option), and the run learns it."""
+    flags = ("--preset", "cpu", "--steps", "14", "--eval_every", "0", "--sample_every", "7")
+    run = torchrun(2, *flags, "--task_args", "letter=b", "--out_dir", str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("\nSay b:") == 3 and "Say a:" not in run.stdout  # the samples of steps 1, 7 and 14
+    rows = metrics(tmp_path)
+    assert rows[0]["reward"] < 0.1 and rows[-1]["reward"] > 0.8
+    assert json.loads((tmp_path / "config.json").read_text())["task_args"] == "letter=b"
+
+
+def docs_tasks_blocks():
+    """docs/tasks.md's reasoning-gym recipe: its ```python blocks after its heading, and its command."""
+    with open(os.path.join(ROOT, "docs", "tasks.md")) as f:
+        text = f.read()
+    recipe = text[text.index("## A task from a library") :]
+    blocks = re.findall(r"```python\n(.*?)```", recipe, re.S)
+    [command] = [line for line in recipe.splitlines() if line.startswith("torchrun")]
+    return blocks, command
+
+
+def test_the_reasoning_gym_recipe_of_docs_tasks_md_runs_and_logs_its_terms(tmp_path):
+    """docs/tasks.md's recipe, done to a copy of reward.py as a user would: the task's TASK_ARGS line, its generator
+    (the library's own), its __getitem__ branch and its reward_fn branch (the library's own scorer); its command
+    runs 2 steps on the tiny model and logs both terms, at training and at the baseline evaluation."""
+    (task_args_line, generator, getitem_branch, reward_branch), command = docs_tasks_blocks()
+    with open(os.path.join(ROOT, "reward.py")) as f:
+        source = f.read()
+    [current] = [line for line in source.splitlines() if line.startswith("TASK_ARGS = ")]
+    source = source.replace(current + "\n", task_args_line)
+    for anchor, branch in (
+        ('        if task == "toy":', getitem_branch),
+        ('    raise ValueError(f"unknown task', reward_branch),
+    ):
+        assert source.count(anchor) == 1, anchor
+        source = source.replace(anchor, branch + anchor)
+    copy_project(tmp_path, source + "\n\n" + generator)
+    flags = command.split("train.py ")[1].split()
+    run = torchrun(2, *flags, "--steps", "2", "--test_size", "8", "--out_dir", str(tmp_path / "out"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics(tmp_path / "out")
+    assert len(rows) == 2 and all(r["reward_errors"] == 0 for r in rows)
+    for r in rows:  # the random tiny model: answers rarely boxed, never right; the sum weighs format by 0.1
+        assert r["reward"] == pytest.approx(r["reward/correct"] + 0.1 * r["reward/format"], abs=1e-12)
+        assert r["accuracy"] == pytest.approx(r["reward/correct"], abs=1e-12)
+    baseline = metrics_lines(tmp_path / "out")[0]
+    assert baseline["step"] == 0 and {"eval_reward/correct", "eval_reward/format"} <= baseline.keys()
+    assert "Calculate " in run.stdout  # a sample's prompt: basic_arithmetic's question
