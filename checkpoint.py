@@ -28,15 +28,26 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import safe_open, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2Tokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Qwen2Config,
+    Qwen2Tokenizer,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3MoeConfig,
+    Qwen3NextConfig,
+)
 
+import architectures
 import reward
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -56,7 +67,7 @@ def check_sources(cfg):
         if why:
             raise SystemExit(f"--data_path {cfg.data_path}: {why}: fix or remove that line")
     for flag, name, kind in (("--model", cfg.model, "model"), ("--data_path", cfg.data_path, "dataset")):
-        if name in ("", "tiny") or os.path.exists(name) or huggingface_hub.constants.HF_HUB_OFFLINE:
+        if name == "" or name in TINY_MODELS or os.path.exists(name) or huggingface_hub.constants.HF_HUB_OFFLINE:
             continue
         try:
             huggingface_hub.utils.validate_repo_id(name)  # a path like /a/b or ./a names no hub repository
@@ -96,11 +107,13 @@ def first_bad_json_line(path):
 
 
 def tokenizer_and_config(model, lora_rank=0):
-    """--model's tokenizer and config, from its folder or the hub; "tiny": made here (tiny_tokenizer_and_config)."""
-    if model == "tiny":
-        return tiny_tokenizer_and_config(lora_rank)
+    """--model's tokenizer and the config of the model the trainer builds (architectures.text_config: a
+    vision-language checkpoint's text model), from its folder or the hub; "tiny" and its siblings (TINY_MODELS):
+    made here (tiny_tokenizer_and_config)."""
+    if model in TINY_MODELS:
+        return tiny_tokenizer_and_config(model, lora_rank)
     try:
-        return AutoTokenizer.from_pretrained(model), AutoConfig.from_pretrained(model)
+        return AutoTokenizer.from_pretrained(model), architectures.text_config(AutoConfig.from_pretrained(model))
     except (OSError, ValueError) as error:  # a name that is no folder here is looked up on the hub
         first_line = str(error).splitlines()[0]
         raise SystemExit(f"--model {model}: not a model's folder, nor a hub id: {first_line}") from None
@@ -125,9 +138,25 @@ def load_tokenizer_and_config(cfg, items):
     return tokenizer, config
 
 
-def tiny_tokenizer_and_config(lora_rank):
-    """--model tiny, the CPU demo's: a character tokenizer (printable ASCII; " " is Ġ) and a random 2-layer Qwen2
-    config. Its weights are drawn in load_weights."""
+# --model tiny, the CPU demo's random 2-layer Qwen2, and its siblings, one of each architecture: each a config class
+# and its fields beyond the shared shape (TINY_SHAPE). The Gated DeltaNet models: a linear layer, then a full one.
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+TINY_SHAPE.update(num_key_value_heads=2, max_position_embeddings=2048)  # room for a prompt in the plain template
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
+TINY_LINEAR = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, head_dim=16)
+TINY_LINEAR.update(linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+TINY_MODELS = {
+    "tiny": (Qwen2Config, dict(tie_word_embeddings=True)),
+    "tiny-qwen3-moe": (Qwen3MoeConfig, dict(TINY_MOE, tie_word_embeddings=False)),
+    "tiny-qwen3.5": (Qwen3_5TextConfig, dict(TINY_LINEAR, tie_word_embeddings=True)),
+    "tiny-qwen3.5-moe": (Qwen3_5MoeTextConfig, dict(TINY_LINEAR, **TINY_MOE, shared_expert_intermediate_size=64)),
+    "tiny-qwen3-next": (Qwen3NextConfig, dict(TINY_LINEAR, **TINY_MOE, shared_expert_intermediate_size=64)),
+}
+
+
+def tiny_tokenizer_and_config(model, lora_rank):
+    """--model tiny (or a sibling of TINY_MODELS), the CPU demo's: a character tokenizer (printable ASCII; " " is Ġ)
+    and the random model's config. Its weights are drawn in load_weights."""
     chars = []
     for code in [*range(9, 14), *range(32, 127)]:
         chars.append(chr(code) if code > 32 else chr(256 + code))
@@ -140,31 +169,32 @@ def tiny_tokenizer_and_config(lora_rank):
         pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
     )
-    config = Qwen2Config(
+    config_class, fields = TINY_MODELS[model]
+    config = config_class(
         vocab_size=len(tokenizer),
         eos_token_id=[vocab["<|endoftext|>"], vocab["<|im_end|>"]],  # both end a response, as for Qwen
         pad_token_id=0,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,  # room for a task's prompt in R1-Zero's plain template
-        tie_word_embeddings=True,
         # Frozen under LoRA: wide enough that the adapters can move the logits.
         initializer_range=0.2 if lora_rank else 0.02,
-        architectures=["Qwen2ForCausalLM"],  # SGLang reads architectures
+        **TINY_SHAPE,
+        **fields,
     )
-    return tokenizer, config
+    return tokenizer, architectures.text_config(config)  # SGLang reads its architectures
+
+
+def model_folder(model, download=True):
+    """--model's folder: itself, or the hub's snapshot of it (downloaded at start: the weights and every config,
+    tokenizer and processor file, which an export copies)."""
+    if os.path.isdir(model):
+        return model
+    return snapshot_download(
+        model, allow_patterns=["*.safetensors", "*.json", "*.jinja", "*.txt"], local_files_only=not download
+    )
 
 
 def weight_files(model):
     """On rank 0: the model*.safetensors files of --model (a hub id is downloaded), each checked to be whole."""
-    if os.path.isdir(model):
-        folder = model
-    else:
-        folder = snapshot_download(model, allow_patterns="*.safetensors")
-    files = sorted(map(str, pathlib.Path(folder).glob("model*.safetensors")))
+    files = sorted(map(str, pathlib.Path(model_folder(model)).glob("model*.safetensors")))
     for file in files:
         try:
             # Reads the header, which must cover the whole file.
@@ -175,32 +205,79 @@ def weight_files(model):
 
 
 def load_weights(models, files, cfg, model_config, world_group):
-    """`files` (from weight_files; [None] for --model tiny) into the sharded models, one file at a time, read by
-    rank 0: host memory holds one file at most. LoRA's adapters are not in them: train.init_adapters sets those."""
+    """`files` (from weight_files; [None] for --model tiny*: random weights) into the sharded models, read by rank 0
+    a batch of parameters at a time, a batch at most the largest file: host memory holds no more. The checkpoint's
+    names become the trainer's by architectures.CheckpointLayout (per-expert weights stacked into fused experts, a
+    vision-language checkpoint's text model taken, its vision tower and MTP weights left). LoRA's adapters are not in
+    them: lora.init_adapters sets those."""
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    loaded = set()
-    if model_config.tie_word_embeddings:
-        loaded.add("lm_head.weight")  # the embedding
     torch.manual_seed(cfg.seed)  # --model tiny: random weights, seeded with --seed
-    for part in files:
-        state = {}
-        if dist.get_rank() == 0 and part is None:
-            state = AutoModelForCausalLM.from_config(model_config).state_dict()
-        elif dist.get_rank() == 0:
-            state = load_file(part)
-        loaded |= state.keys()
+    batches = []
+    if dist.get_rank() == 0:
+        batches = list(weight_batches(files, model_config))
+    plan = [[list(batch) for batch in batches]]
+    dist.broadcast_object_list(plan, src=0, group=world_group)  # the names each batch loads
+    for i in range(len(plan[0])):
+        state = batches[i]() if batches else {}
         for model in models:
             # A shallow copy: set_model_state_dict replaces the dict's entries with their shards.
             set_model_state_dict(model, dict(state), options=options)
-    names = [loaded]
-    dist.broadcast_object_list(names, src=0, group=world_group)  # what rank 0 read
-    expected = [name for name in models[0].state_dict() if ".lora_" not in name]
-    missing = sorted(set(expected) - names[0])
+    expected = [name for name, _ in models[0].named_parameters() if ".lora_" not in name]
+    missing = sorted(set(expected) - {name for names in plan[0] for name in names})
     if missing:
         raise SystemExit(
             f"--model {cfg.model}: its model*.safetensors files lack {missing[:3]} ({len(missing)} tensors); "
             "save the model with save_pretrained"
         )
+
+
+class Batch(list):
+    """Parameter names, and called: their tensors, read from the checkpoint's files."""
+
+    def __init__(self, names, read):
+        super().__init__(names)
+        self.read = read
+
+    def __call__(self):
+        return {name: self.read(name) for name in self}
+
+
+def weight_batches(files, config):
+    """On rank 0: the model's parameters in Batches, in the files' order, each of at most the largest file's bytes."""
+    if files == [None]:
+        state = AutoModelForCausalLM.from_config(config).state_dict()  # drawn from --seed
+        yield Batch(state, state.get)
+        return
+    handles = {file: safe_open(file, "pt") for file in files}  # read on demand: a tensor's bytes when asked for
+    where = {key: handle for handle in handles.values() for key in handle.keys()}
+    layout = architectures.CheckpointLayout(config, where)
+
+    def read(name):
+        return layout.parameter(name, lambda key: where[key].get_tensor(key))
+
+    budget = max(os.path.getsize(file) for file in files)
+    batch = []
+    used = 0
+    for name, sources in layout.sources.items():
+        size = sum(tensor_bytes(where[key], key) for key, _ in sources)
+        if batch and used + size > budget:
+            yield Batch(batch, read)
+            batch, used = [], 0
+        batch.append(name)
+        used += size
+    if batch:
+        yield Batch(batch, read)
+
+
+# safetensors' dtypes as torch's, and their bytes per element (the 8-bit ones: 1).
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2, "U16": 2}
+
+
+def tensor_bytes(handle, key):
+    """The bytes of tensor `key` of an open safetensors file, from its header."""
+    piece = handle.get_slice(key)
+    return math.prod(piece.get_shape()) * DTYPE_BYTES.get(piece.get_dtype(), 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -317,11 +394,38 @@ def save(cfg, step, model, optimizer, tokenizer, full_weights, wandb_id, world_g
     return final
 
 
+def write_hub_layout(folder, weights, config, source):
+    """On rank 0: the trained `weights` in the layout of --model's folder `source`, so that what loaded it loads
+    this: each weight under its checkpoint names (per-expert where the checkpoint held experts so) and dtype, the
+    tensors the trainer does not train (a vision tower, MTP weights) and the files that are no weights (config.json,
+    the generation and processor configs) as they were; safetensors files of 5 GB at most, with their index."""
+    handles = [safe_open(file, "pt") for file in weight_files(source)]
+    where = {key: handle for handle in handles for key in handle.keys()}
+    layout = architectures.CheckpointLayout(config, where)
+    tensors = {key: where[key].get_tensor(key) for key in layout.extras}
+    for name, weight in weights.items():
+        for key, tensor in layout.checkpoint_tensors(name, weight):
+            tensors[key] = tensor.to(DTYPES.get(where[key].get_slice(key).get_dtype(), tensor.dtype)).contiguous()
+    os.makedirs(folder)
+    for file in os.listdir(source):
+        if not file.startswith("model") and os.path.isfile(os.path.join(source, file)):
+            shutil.copyfile(os.path.join(source, file), os.path.join(folder, file))
+    shards = huggingface_hub.split_torch_state_dict_into_shards(tensors, max_shard_size="5GB")
+    for file, keys in shards.filename_to_tensors.items():
+        save_file({key: tensors[key] for key in keys}, os.path.join(folder, file), metadata={"format": "pt"})
+    if shards.is_sharded:
+        index = {"metadata": shards.metadata, "weight_map": shards.tensor_to_filename}
+        pathlib.Path(folder, "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
 def write_files(folder, cfg, step, model, tokenizer, weights, adapters, wandb_id):
     """On rank 0: hf/ (safetensors files of 5 GB at most, which load_weights streams one at a time), adapter/ under
     LoRA, and trainer_state.json last, with the size of every file before it."""
     hf = os.path.join(folder, "hf")
-    model.save_pretrained(hf, state_dict=weights, max_shard_size="5GB")
+    if cfg.model in TINY_MODELS:  # no checkpoint to follow: transformers' layout
+        model.save_pretrained(hf, state_dict=weights, max_shard_size="5GB")
+    else:
+        write_hub_layout(hf, weights, model.config, model_folder(cfg.model, download=False))
     tokenizer.save_pretrained(hf)
     for file in pathlib.Path(hf).iterdir():
         os.chmod(file, 0o644)  # transformers writes the weights 0600; readable like the rest
@@ -410,7 +514,7 @@ def checked_state(path, cfg, model_config):
     check_lora_flags(cfg, path, state.get("config", {}))
     if state["step"] >= cfg.steps:
         raise SystemExit(f"--resume {path} is at step {state['step']}, --steps {cfg.steps}: raise --steps to go on")
-    saved = AutoConfig.from_pretrained(os.path.join(path, "hf"))
+    saved = architectures.text_config(AutoConfig.from_pretrained(os.path.join(path, "hf")))
     for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
         was = getattr(saved, key, None)
         now = getattr(model_config, key, None)

@@ -14,10 +14,10 @@ import socket
 
 import torch
 import torch.distributed as dist
-import transformers
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+import architectures
 import lora
 
 
@@ -26,6 +26,10 @@ class Engine:
     the group calls the rest. Memory and update calls that an engine does not need do nothing here."""
 
     push_dtype = torch.float32  # of the pushed tensors
+
+    def pieces(self, weights, bucket_bytes):
+        """(HF name, full tensor) pairs as the engine loads them: here, as the trainer names them."""
+        return weights
 
     def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed):
         """Per prompt: the sampled ids, stop included, their log-probs under logits / temperature, and with top_p < 1
@@ -138,13 +142,21 @@ def start_engine(cfg, model_config, par, device):
         dist.barrier(group=par.world_group)
     if owner:
         return SGLangEngine(cfg, model_config, first_gpu, nccl_port)
-    return SGLangPeer()
+    return SGLangPeer(model_config)
 
 
 class SGLangPeer(Engine):
     """The ranks of an SGLang TP group but the first: each sends its bucket to the owner, which loads them all."""
 
     push_dtype = torch.bfloat16
+
+    def __init__(self, model_config):
+        self.model_config = model_config
+
+    def pieces(self, weights, bucket_bytes):
+        """As SGLang's class for the architecture loads them (architectures.engine_weights: per-expert names)."""
+        for name, weight in weights:
+            yield from architectures.engine_weights(self.model_config, name, weight, bucket_bytes)
 
     def update(self, bucket, group):
         gather_bucket(bucket, group)
@@ -165,18 +177,17 @@ def gather_bucket(bucket, group):
     return ranks
 
 
-class SGLangEngine(Engine):
+class SGLangEngine(SGLangPeer):
     """In-process SGLang on the TP group's GPUs, run by the owner; bf16 buckets come by CUDA IPC, not through disk."""
-
-    push_dtype = torch.bfloat16
 
     def __init__(self, cfg, model_config, first_gpu, nccl_port):
         import sglang
 
+        super().__init__(model_config)
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # or its schedulers hang joining torchrun's store
         os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "false"  # GPUs >10% apart in free memory: safe
         config_dir = os.path.join(cfg.out_dir, f"engine_model_rank{dist.get_rank()}")  # read from disk by SGLang
-        model_config.save_pretrained(config_dir)
+        architectures.engine_config(model_config).save_pretrained(config_dir)
         # The engine's processes inherit ignored SIGINT / SIGTERM: torchrun's signals are the trainer's to act on.
         handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
         self.engine = sglang.Engine(
@@ -278,26 +289,6 @@ def free_gpu_cache(group):
     dist.barrier(group=group)
 
 
-def check_pushed_names(model, model_config):
-    """Pushed names and shapes must be those of SGLang's `architectures` class: it skips unknown names silently."""
-    architecture = (model_config.architectures or [""])[0]
-    if not hasattr(transformers, architecture):
-        raise SystemExit(f"`architectures` in --model's config.json is {architecture!r}: no class of transformers")
-    with torch.device("meta"):
-        engine_model = getattr(transformers, architecture)(model_config)
-    expected = {name: list(param.shape) for name, param in engine_model.named_parameters()}
-    pushed = {}
-    for name, param in model.named_parameters():
-        if ".lora_" not in name:
-            pushed[name] = list(param.shape)
-    for name in [*pushed, *sorted(expected.keys() - pushed.keys())]:  # the model's order, then what it lacks
-        if pushed.get(name) != expected.get(name):
-            raise SystemExit(
-                f"the trainer pushes {name} as {pushed.get(name)}, the engine's {architecture} has it as "
-                f"{expected.get(name)}: check `architectures` in --model's config.json"
-            )
-
-
 def full_weights(model, dtype):
     """(HF name, full tensor in `dtype`) of each weight the engine holds, one at a time: shards cast, then gathered,
     LoRA's adapters merged in."""
@@ -327,7 +318,7 @@ def push_weights(weights, engine, bucket_mb, tp_group):
     engine's memory was released at the rollouts' end. Every rank of the TP group runs it."""
     free_gpu_cache(tp_group)  # the trainer's cached blocks back to the GPU before the engine's weights come back
     engine.begin_update()
-    for bucket in weight_buckets(weights, bucket_mb << 20):
+    for bucket in weight_buckets(engine.pieces(weights, bucket_mb << 20), bucket_mb << 20):
         engine.update(bucket, tp_group)
         dist.barrier(group=tp_group)  # the others gather the next bucket only once the owner has loaded this one
     del bucket  # the last: nothing of the push stays referenced

@@ -16,19 +16,24 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import RowwiseParallel
 
+import architectures
 
-def add_lora(model, rank, alpha, tp_mesh, tp_plan):
-    """Adapters A [R, in] and B [out, R] (PEFT's names) on each linear layer of the blocks that tp_plan names,
-    everything else frozen. A forward hook adds x A^T B^T x model.lora_scale before TP's hook sees the output: B is
-    split like a column-parallel output and A like a row-parallel input, so LoRA adds no collective. Rank 0: nothing
-    to add, all trained."""
+
+def add_lora(model, rank, alpha, tp_mesh):
+    """Adapters A [R, in] and B [out, R] (PEFT's names) on each linear layer that its block's TP plan names
+    (architectures.layer_plan: attention, Gated DeltaNet, the dense or shared MLP where peft can load them; routed
+    experts are 3-D weights and take none), everything else frozen. A forward hook adds x A^T B^T x model.lora_scale
+    before TP's hook sees the output: B is split like a column-parallel output and A like a row-parallel input, so
+    LoRA adds no collective. Rank 0: nothing to add, all trained."""
     model.lora_scale = alpha / rank if rank else 0.0
     model.requires_grad_(rank == 0)
     if rank == 0:
         return
     for layer in model.model.layers:
-        for name, style in tp_plan.items():
+        for name, style in architectures.layer_plan(layer, model.config, lora=True).items():
             linear = layer.get_submodule(name)
+            if not isinstance(linear, torch.nn.Linear):  # q/k norms, routed experts
+                continue
             linear.lora_A = torch.nn.Linear(linear.in_features, rank, bias=False, device="meta")
             linear.lora_B = torch.nn.Linear(rank, linear.out_features, bias=False, device="meta")
             if tp_mesh.size() > 1:

@@ -9,7 +9,8 @@ parallelism over "tp"), and the new weights pushed back into the engine.
     torchrun --nproc_per_node=8 train.py --tp 2                       # GPUs: Countdown, Qwen2.5-3B-Instruct
 
 The flags are Config's fields. A new task is two edits in reward.py: PromptDataset.__getitem__ (what a prompt is)
-and reward_fn (how a completion scores, a number or named terms). Machinery beside this file: engines.py (the rollout
+and reward_fn (how a completion scores, a number or named terms). Machinery beside this file: architectures.py (what
+each model family needs: its TP plan per layer type, its names in files and in the engine), engines.py (the rollout
 engines and the push into them), checkpoint.py (weights in and out of files), sandbox.py (reward_fn and model-written
 code in worker processes), launch.py (the processes under torchrun), flags.py (the command line, each flag's bound),
 inflight.py (partial rollouts' bookkeeping), lora.py and vocab_parallel.py.
@@ -29,9 +30,9 @@ from typing import Annotated, Literal
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from transformers import AutoModelForCausalLM
 
+import architectures
 import checkpoint
 import engines
 import flags
@@ -56,7 +57,7 @@ Positive = Annotated[float, Above(0)]
 
 @dataclass
 class Config:
-    model: str = "Qwen/Qwen2.5-3B-Instruct"  # hub id or local folder; "tiny": random tiny Qwen2 + character tokenizer
+    model: str = "Qwen/Qwen2.5-3B-Instruct"  # hub id or local folder; "tiny" (or tiny-qwen3-moe, ...): docs/models.md
     task: str = "countdown"  # countdown, gsm8k, math, addition, toy (README: tasks), or your own (README)
     data_path: str = ""  # a local folder of train.* and test.* (jsonl / parquet) or a hub id; "": the task's own data
     task_args: str = ""  # key=value,...: the task's options (reward.TASK_ARGS), to its data and reward_fn
@@ -109,6 +110,7 @@ class Config:
     micro_batch_size: Count = 8  # sequences per forward / backward on each rank
     max_tokens_per_microbatch: Natural = 0  # > 0: length-sorted micro-batches of at most this many padded tokens
     tp: Count = 1  # tensor-parallel size; dp = world size / tp
+    router_aux_loss_coef: NonNegative = 0.0  # routed experts: weight of the load-balancing loss (TRL's: 0.001)
     activation_checkpointing: bool = False
     lora_rank: Natural = 0  # > 0: LoRA of this rank on every linear layer of the blocks, the rest frozen (docs/lora.md)
     lora_alpha: Positive = 32.0  # LoRA's update is scaled by alpha / rank (32: as "LoRA Without Regret")
@@ -243,21 +245,6 @@ class Sample:
 # ----------------------------------------------------------------------------------------------------------------
 # Model and mesh: tensor parallelism in each decoder layer, then FSDP
 
-# q/k/v and gate/up split their output features over tp, o and down their input: one all-reduce per block each way.
-TP_PLAN = {
-    "self_attn.q_proj": ColwiseParallel(),
-    "self_attn.k_proj": ColwiseParallel(),
-    "self_attn.v_proj": ColwiseParallel(),
-    "self_attn.o_proj": RowwiseParallel(),
-    "mlp.gate_proj": ColwiseParallel(),
-    "mlp.up_proj": ColwiseParallel(),
-    "mlp.down_proj": RowwiseParallel(),
-}
-# Qwen3's per-head q/k norms see a rank's heads only (dim 2): replicated weights, gradients summed over tp in backward.
-QK_NORM_PLAN = {
-    "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-    "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-}
 KL_ESTIMATORS = {"k1": lambda x: x, "k2": lambda x: x**2 / 2, "k3": lambda x: torch.expm1(-x) + x}
 
 
@@ -269,17 +256,11 @@ def build_model(model_config, mesh, device, activation_checkpointing=False, lora
     dtype = torch.bfloat16 if lora_rank and on_gpu else torch.float32
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
-    tp = mesh["tp"].size()
-    for heads in ("num_attention_heads", "num_key_value_heads"):  # each rank computes whole heads
-        if getattr(model.config, heads) % tp:
-            raise SystemExit(f"--tp {tp} must divide the model's {heads} ({getattr(model.config, heads)})")
-    if tp > 1:
-        for layer in model.model.layers:
-            plan = dict(TP_PLAN)
-            if hasattr(layer.self_attn, "q_norm"):
-                plan.update(QK_NORM_PLAN)
-            parallelize_module(layer, mesh["tp"], plan)
-    lora.add_lora(model, lora_rank, lora_alpha, mesh["tp"], TP_PLAN)
+    # Each decoder layer's plan by its layer types (architectures.py: attention, Gated DeltaNet, MLP, experts).
+    architectures.check_tp(model.config, mesh["tp"].size())
+    if mesh["tp"].size() > 1:
+        architectures.parallelize(model, mesh["tp"])
+    lora.add_lora(model, lora_rank, lora_alpha, mesh["tp"])
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # GPU: bf16 compute, fp32 master weights; gradients reduced in fp32.
@@ -490,14 +471,21 @@ def set_advantages(samples, cfg, dp_group=None):
 
 def response_logprobs(model, samples, cfg, tp_mesh):
     """Log-probs, entropies and log kept masses [N] of the sampled response tokens; lm_head per --logprob_chunk,
-    recomputed. With truncated sampling, log p is renormalised over each token's kept set."""
+    recomputed. With truncated sampling, log p is renormalised over each token's kept set. And the routed experts'
+    load-balancing loss and tokens per expert [layers, experts] (architectures.routing; none for a dense model)."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     device = torch.device(tp_mesh.device_type)
     longest = max(map(len, seqs))
     # Right-padded, the padding masked.
     ids = torch.tensor([q + [0] * (longest - len(q)) for q in seqs], device=device)
     mask = torch.tensor([[1] * len(q) + [0] * (longest - len(q)) for q in seqs], device=device)
-    out = model(input_ids=ids, attention_mask=mask, logits_to_keep=ids.new_zeros(0), output_hidden_states=True)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        logits_to_keep=ids.new_zeros(0),
+        output_hidden_states=True,
+        output_router_logits=True,  # routed experts': a dense model takes no such output
+    )
     last = out.hidden_states[-1]  # the final norm's output [B, T, H]; position t predicts token t + 1
     positions = [last[b, len(s.prompt_ids) - 1 : len(seqs[b]) - 1] for b, s in enumerate(samples)]
     sampled = torch.tensor([m for s in samples for m in s.sampled], dtype=torch.bool, device=device)  # not tool output
@@ -507,7 +495,10 @@ def response_logprobs(model, samples, cfg, tp_mesh):
     if cfg.truncated_sampling:
         kept = vocab_parallel.kept_sets(samples).to(device)
     weight = model.lm_head.weight
-    return vocab_parallel.chunked_logprobs(hidden, weight, targets, kept, cfg.temperature, cfg.logprob_chunk, tp_mesh)
+    logprobs = vocab_parallel.chunked_logprobs(
+        hidden, weight, targets, kept, cfg.temperature, cfg.logprob_chunk, tp_mesh
+    )
+    return *logprobs, architectures.routing(out, mask, model.config)
 
 
 @torch.no_grad()
@@ -646,13 +637,15 @@ def train_on_rollouts(model, optimizer, samples, cfg, par, version=0):
     the step, whose policy sampled the fresh tokens (--partial_rollouts)."""
     token_sums = defaultdict(float)  # same keys, same order on every rank
     maxima = defaultdict(float)
+    expert_tokens = 0  # routed experts: each MoE layer's tokens per expert [layers, experts]
     device = model.device
     per_minibatch = len(samples) // cfg.num_minibatches
     for start in range(0, len(samples), per_minibatch):
         minibatch = samples[start : start + per_minibatch]
         set_loss_weights(minibatch, cfg, par.dp_group)
-        for batch in launch.micro_batches(minibatch, cfg, par.world_group):
-            logp, entropy, log_kept_mass = response_logprobs(model, batch, cfg, par.mesh["tp"])
+        batches = launch.micro_batches(minibatch, cfg, par.world_group)
+        for batch in batches:
+            logp, entropy, log_kept_mass, (router_loss, tokens) = response_logprobs(model, batch, cfg, par.mesh["tp"])
             if batch[0].old_logprobs is None:  # the policy that sampled them: the ratio is 1
                 old_logp = logp.detach()
             else:
@@ -669,7 +662,10 @@ def train_on_rollouts(model, optimizer, samples, cfg, par, version=0):
             if cfg.beta > 0:
                 ref_logp = torch.cat([s.ref_logprobs for s in batch]).to(device)
             loss, stats = policy_loss(logp, old_logp, advantages, weights, cfg, ref_logp, entropy, is_weights, lengths)
+            # The load-balancing loss, a micro-batch's share of the mini-batch's mean (FSDP averages over dp).
+            loss = loss + cfg.router_aux_loss_coef * router_loss / len(batches)
             loss.backward()
+            expert_tokens = expert_tokens + tokens
             if cfg.truncated_sampling:  # log p(K), what renormalising over the kept sets takes off log p
                 stats["log_kept_mass"] = log_kept_mass.detach().sum()
             for key, value in {**stats, **mismatch}.items():
@@ -680,6 +676,7 @@ def train_on_rollouts(model, optimizer, samples, cfg, par, version=0):
         optimizer.zero_grad(set_to_none=True)
         maxima["skipped_steps"] += not math.isfinite(grad_norm)  # the norm is global: equal on every rank
         maxima["grad_norm"] += grad_norm / cfg.num_minibatches
+    maxima.update(architectures.expert_load(expert_tokens, par))  # the busiest expert's tokens over the mean
     return token_sums, maxima
 
 
@@ -868,8 +865,8 @@ def main():
     terms = train_set.reward_terms  # the names of reward_fn's terms, where it returns a dict of them
     flags.check_terms(cfg, terms)  # --reward_weights, --accuracy_term
     tokenizer, model_config = checkpoint.load_tokenizer_and_config(cfg, [*train_set, *(test_set or [])])
-    files = [None]  # --model tiny: random weights
-    if cfg.model != "tiny":
+    files = [None]  # --model tiny and its siblings: random weights
+    if cfg.model not in checkpoint.TINY_MODELS:
         files = launch.on_first_rank(par.world_group, checkpoint.weight_files, cfg.model)
     resumed_from, start_step, wandb_id = launch.on_first_rank(
         par.world_group, checkpoint.find_resume, cfg, model_config
@@ -898,7 +895,7 @@ def main():
         checkpoint.load_weights(models, files, cfg, model_config, par.world_group)
         if cfg.lora_rank:
             lora.init_adapters(model, cfg.seed)
-        engines.check_pushed_names(model, model_config)
+        architectures.check_engine_names(model, model_config, cfg.bucket_mb << 20)
         # Before any forward: FSDP2 then leaves root parameters unsharded, and an optimizer would hold stale tensors.
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # frozen: no state
         in_flight = InFlight([], next_batch=start_step)  # --partial_rollouts: the groups this rank's engine holds

@@ -138,7 +138,7 @@ def logits_peak_trainer(rank, world, sequences, length, hidden_size, chunk):
     tracker = LiveLogits(math.ceil(VOCAB / world), hidden_size)
     start = time.perf_counter()
     with tracker:
-        logp, entropy, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
+        logp, entropy, _, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
         ones = torch.ones_like(logp)
         train.policy_loss(logp, logp.detach(), ones, ones / len(logp), cfg, None, entropy)[0].backward()
     return tracker.peak, time.perf_counter() - start

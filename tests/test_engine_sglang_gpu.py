@@ -57,7 +57,7 @@ def rollout(engine, cfg, prompts):
 
 def mismatch(model, samples, cfg, tp_mesh):
     with torch.no_grad():
-        trainer, _, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
+        trainer, _, _, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
     if hasattr(model, "reshard"):
         model.reshard()  # FSDP2 leaves root parameters unsharded after a forward; the push and the edits below
         # must see the sharded fp32 masters

@@ -48,8 +48,9 @@ def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_ru
     assert table["label"] == "CPU RUN, not GPU figures" and "measured" in table["peak"] and table["peak_tflops"] > 0
     settings = [f"T {t}, top_p {p}, {dtype} logits" for dtype in ("fp32", "bf16") for t, p in gpu.SAMPLING]
     names = [(r["row"], r["what"]) for r in table["rows"]]
+    shapes = ("tiny, 0.0098B parameters", "tiny-qwen3.5, 0.0183B parameters", "tiny-qwen3-moe, 0.0213B parameters")
     for row in ("rollout", "train", "push", "memory", "step"):
-        assert (row, "tiny, 0.0098B parameters") in names, row
+        assert all((row, shape) in names for shape in shapes), row
     assert [w for r, w in names if r == "logprobs"] == settings
     assert [w for r, w in names if r == "race"] == ["TRL, vLLM colocate", "train.py", "TRL"]
     assert [w for r, w in names if r == "partial"] == ["synchronous", "partial"]
@@ -67,9 +68,11 @@ def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_ru
     assert 0 < trained["logprob MFU"] and 0 < trained["update MFU"] and 0 <= trained["padding"] < 1
     memory = value["memory", "tiny, 0.0098B parameters"]
     assert memory["released GB"] == 0 and memory["training peak GB"] > 0  # the HF engine keeps its copy
-    step = value["step", "tiny, 0.0098B parameters"]
-    parts = ("generation s", "logprobs s", "update s", "push s")
-    assert step["step s"] == pytest.approx(sum(step[part] for part in parts))
+    for shape in shapes:  # the HF engine on a CPU: fp32 on both sides, log-probs equal to rounding
+        step = value["step", shape]
+        parts = ("generation s", "logprobs s", "update s", "push s")
+        assert step["step s"] == pytest.approx(sum(step[part] for part in parts))
+        assert step["mismatch |log r|"] < 1e-4
     # fp32 logits on both sides (the CPU engine is fp32): agreement to rounding; the trainer's bf16 logits lose more.
     for t, p in gpu.SAMPLING:
         fp32, bf16 = (value["logprobs", f"T {t}, top_p {p}, {dtype} logits"] for dtype in ("fp32", "bf16"))
@@ -89,7 +92,8 @@ sys.path[:0] = ["tests", "benchmarks", "tests/sglang_cpu_stubs"]  # the stubs: f
 import sglang, fake_sglang_engine
 sglang.Engine = fake_sglang_engine.Engine
 import gpu
-sys.argv[1:] = ["--preset", "cpu", "--engine", "sglang", "--only", "rollout,push,memory,step,logprobs", *sys.argv[1:]]
+rows = ["--only", "rollout,push,memory,step,logprobs", "--shapes", "tiny"]
+sys.argv[1:] = ["--preset", "cpu", "--engine", "sglang", *rows, *sys.argv[1:]]
 gpu.main()
 print(json.dumps([dict(fp32_lm_head=e.kwargs.get("enable_fp32_lm_head"), calls=e.calls)
                   for e in fake_sglang_engine.STARTED]))
@@ -143,3 +147,21 @@ def test_flops_of_a_qwen2_5_0_5b_forward_match_a_count_by_hand():
     assert gpu.forward_flops(config, [answered]) == 121_929_113_600
     with_tool = train.Sample([1] * 100, [2] * 50, [True] * 30 + [False] * 20)  # 20 tokens of tool output: no logits
     assert gpu.forward_flops(config, [answered, with_tool]) == 2 * 121_929_113_600 - 2 * lm_head * 20
+
+
+def test_flops_of_qwen3_30b_a3b_count_the_routed_experts_a_token_uses_and_full_attention_layers_alone():
+    # Qwen3-30B-A3B's config, 8 of its 48 layers: hidden 2,048, 32 heads of 128, 4 KV heads, 128 experts of 768, top 8,
+    # vocabulary 151,936, untied. Per layer: q 2,048 x 4,096 = 8,388,608, k and v 2,048 x 512 = 1,048,576 each,
+    # o 8,388,608, the router 128 x 2,048 = 262,144, and of the experts (3 x 2,048 x 768 = 4,718,592 each) the 8 a
+    # token goes to: 37,748,736. 56,885,248 a layer, 455,081,984 for 8. LM head 151,936 x 2,048 = 311,164,928.
+    layers, lm_head, attention = 455_081_984, 311_164_928, 32 * 128
+    answered = train.Sample([1] * 100, [2] * 50, [True] * 50)
+    # 2 x 455,081,984 x 150 + 2 x 8 x 150^2 x 4,096 + 2 x 311,164,928 x 50
+    assert 2 * layers * 150 + 2 * 8 * 150**2 * attention + 2 * lm_head * 50 == 169_115_648_000
+    assert gpu.forward_flops(gpu.shape_config("qwen3-30b-a3b-8l"), [answered]) == 169_115_648_000
+    # Qwen3.5-2B: only its 6 full-attention layers of 24 take the T^2 term (8 heads of 256). A sequence of 200 tokens
+    # less two of 100, each with one sampled token: the T^2 terms' difference, less one LM head (248,320 x 2,048).
+    config = gpu.shape_config("qwen3.5-2b")
+    short, long = (train.Sample([1] * t, [2], [True]) for t in (99, 199))
+    difference = gpu.forward_flops(config, [long]) - 2 * gpu.forward_flops(config, [short])
+    assert difference == 2 * 6 * (200**2 - 2 * 100**2) * 8 * 256 - 2 * 248_320 * 2_048

@@ -324,7 +324,7 @@ def chunked_against_naive(rank, world, chunk, temperature):
     cfg = train.Config(logprob_chunk=chunk, temperature=temperature)
     tp_mesh = launch.parallel_groups("cpu", 1).mesh["tp"]
     with torch.no_grad():
-        logp, ent, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
+        logp, ent, _, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
         want_logp, want_ent = naive_logprobs(model, samples, temperature)
     return (
         logp.shape == want_logp.shape,
@@ -347,7 +347,7 @@ def peak_logits(rank, world, chunk, n, tp):
     tp_mesh = launch.parallel_groups("cpu", tp).mesh["tp"]
     tracker, cfg = LiveLogits(VOCAB // tp, model.config.hidden_size), train.Config(logprob_chunk=chunk)
     with tracker:
-        logp, entropy, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
+        logp, entropy, _, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
         ones = torch.ones_like(logp)
         loss, _ = train.policy_loss(logp, logp.detach(), ones, ones, cfg, None, entropy)
         loss.backward()
@@ -372,7 +372,7 @@ def vocab_sharded(rank, world, vocab, tp):
     samples = make_samples(5, seed=8)
     tp_mesh = launch.parallel_groups("cpu", tp).mesh["tp"]
     cfg = train.Config(logprob_chunk=7, temperature=0.8)
-    logp, ent, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
+    logp, ent, _, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
     g = torch.Generator().manual_seed(1)
     (logp @ torch.randn(len(logp), generator=g) + ent @ torch.randn(len(ent), generator=g)).backward()
     grads = {name: p.grad.numpy().copy() for name, p in model.named_parameters() if p.grad is not None}
@@ -420,7 +420,7 @@ def renormalised_logprobs(rank, world, vocab, tp, dtype):
     if dtype == torch.float32:
         cfg = train.Config(logprob_chunk=7, temperature=temperature, top_p=0.9)
         tp_mesh = launch.parallel_groups("cpu", tp).mesh["tp"]
-        logp, _, log_kept = train.response_logprobs(model, samples, cfg, tp_mesh)
+        logp, _, log_kept, _ = train.response_logprobs(model, samples, cfg, tp_mesh)
     else:  # log p(y) - log (sum of p(v) over the kept set v), of softmax(logits / T) over the whole vocabulary
         logp, log_kept = [], []
         for s in samples:

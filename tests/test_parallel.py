@@ -9,9 +9,11 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+import architectures
 import checkpoint
 import launch
 import train
+from hub_models import text_model
 from workers import run_ranks
 
 VOCAB = 96
@@ -45,7 +47,7 @@ def save_reference(folder, family, tied, shard_size="20KB"):
 def sharded_model(folder, par, activation_checkpointing=False):
     """The trainer's way: built on the meta device, sharded, then the checkpoint streamed in file by file. par:
     launch.parallel_groups'."""
-    config = AutoConfig.from_pretrained(folder)
+    config = architectures.text_config(AutoConfig.from_pretrained(folder))
     model = train.build_model(config, par.mesh, torch.device("cpu"), activation_checkpointing)
     cfg = train.Config(model=folder)
     checkpoint.load_weights([model], checkpoint.weight_files(cfg.model), cfg, config, par.world_group)
@@ -110,7 +112,7 @@ def make_optimizer(name, params, lr):
 def sharded_vs_unsharded(
     rank, world, folder, dp, tp, optimizer_name, max_norm, activation_checkpointing, num_minibatches=1
 ):
-    reference = AutoModelForCausalLM.from_pretrained(folder)
+    reference = text_model(folder)
     par = launch.parallel_groups("cpu", tp)
     model = sharded_model(folder, par, activation_checkpointing)
     lr = 0.1 if optimizer_name == "sgd" else 1e-3

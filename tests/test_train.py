@@ -56,6 +56,7 @@ def test_cpu_preset_learns_the_toy_reward(tmp_path):
     # Engine and trainer hold the same weights after every push: their logprobs agree on every step.
     assert max(r["mismatch_abs"] for r in rows) < 1e-4
     assert all("log_kept_mass" not in r for r in rows)  # sampling not truncated: nothing renormalised
+    assert all("expert_load_max" not in r for r in rows)  # a dense model: no routed experts
     for key in (
         "accuracy",
         "response_len",
