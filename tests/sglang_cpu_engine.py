@@ -7,14 +7,16 @@ What is real (sglang's own code, unchanged):
   the memory before the model loads with the TP memory-balance check (bootstrap.measure_pre_model_load_memory, as
   ModelRunner.init_torch_distributed calls it), the dummy-loaded model from sglang.srt.model_loader.get_model,
   SchedulerWeightUpdaterManager, TpModelWorker.deserialize_own_rank and weight_update_runners, the model runner's
-  WeightUpdater (begin/end_weight_update, update_weights_from_tensor, _update_weights_from_flattened_bucket), Qwen2 /
-  Qwen3 load_weights, SchedulerFlushWrapper, and sglang's TypeBasedDispatcher with the weight-update and memory
-  entries of Scheduler.init_request_dispatcher;
+  WeightUpdater (begin/end_weight_update, update_weights_from_tensor, _update_weights_from_flattened_bucket), the
+  model class's load_weights (Qwen2, Qwen3, Qwen3-MoE, Qwen3-Next, and Qwen3.5's and Qwen3.5-MoE's text classes;
+  each rank records the names it is given), SchedulerFlushWrapper, and sglang's TypeBasedDispatcher with the
+  weight-update and memory entries of Scheduler.init_request_dispatcher;
 - on the wire: the io_struct requests and replies, msgpack-encoded by io_struct.msgpack_encode as sock_send does;
 - trainer side, dp x tp gloo ranks: launch.parallel_groups, engines.start_engine (called on every rank: the port, the
   barrier; on the owner engines.SGLangEngine: the environment, the engine's config.json, the warm-up request) over
   the real sglang.Engine class, and engines.push_weights of engines.full_weights on the trainer's sharded model (FSDP2 +
-  DTensor TP, loaded by checkpoint.load_weights).
+  DTensor TP, its config from checkpoint.tokenizer_and_config, loaded by checkpoint.load_weights, its push's names
+  checked by architectures.check_engine_names, as main does).
 
 What is replaced:
 - sglang.Engine.__init__, which would spawn the scheduler processes: HarnessEngine builds ServerArgs from the same
@@ -22,6 +24,9 @@ What is replaced:
   the SGLANG_* and TORCHELASTIC_* variables of the trainer's environment at that moment, as spawned schedulers
   inherit them; the engine processes are reused from test to test, so their groups are built once, on the first
   nccl_port they are given;
+- the overlap schedule, off (disable_overlap_schedule=True added to the engine's arguments): with it on, sglang gives
+  a Gated DeltaNet model's radix cache an extra buffer for state snapshots, which it supports on CUDA alone; the
+  setting touches the scheduling and the cache, not the model or its weights;
 - the ZMQ sockets, by multiprocessing queues: QueueTokenizerManager sends each request to every rank of its engine (in
   sglang rank 0 receives it and broadcasts it over the TP group) and, like the tokenizer manager, keeps rank 0's reply;
 - the Scheduler, TpModelWorker and ModelRunner objects, by light stand-ins that hold the real components above
@@ -191,7 +196,7 @@ class EngineRank:
 
         self.inherit(environ)
         self.crashed, self.requests_seen = "its last load failed", []  # a failed load leaves a dead scheduler
-        server_args = ServerArgs(**engine_kwargs, device="cpu")
+        server_args = ServerArgs(**engine_kwargs, device="cpu", disable_overlap_schedule=True)  # (module docstring)
         gpu_id = engine_kwargs.get("base_gpu_id", 0) + self.tp_rank  # as _launch_scheduler_processes places ranks
         # As run_scheduler_process does; re-publishing for the next model is last-publish-wins.
         publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=self.tp_rank, gpu_id=gpu_id))
@@ -214,6 +219,15 @@ class EngineRank:
         with torch.no_grad():
             for param in model.parameters():
                 param.fill_(float("nan"))
+        self.loaded = []  # the names the updater gives load_weights, in order
+        load_weights = model.load_weights
+
+        def recorded_load_weights(weights):
+            weights = list(weights)
+            self.loaded += [name for name, _ in weights]
+            return load_weights(weights)
+
+        model.load_weights = recorded_load_weights
         self.runner = ModelRunnerStandIn(model, model_config, self.tp_rank)
         self.scheduler = SchedulerStandIn()
         self.manager = SchedulerWeightUpdaterManager(
@@ -277,8 +291,9 @@ class EngineRank:
             abort_distributed_environment()
 
     def weights(self):
-        """torch.save bytes of the parameters, the buffers, the requests seen and the flush count (torch.save: after
-        sglang's monkey_patch_torch_reductions, ForkingPickler can no longer pickle CPU tensors)."""
+        """torch.save bytes of the parameters, the buffers, the requests seen, the flush count and the names
+        load_weights was given (torch.save: after sglang's monkey_patch_torch_reductions, ForkingPickler can no longer
+        pickle CPU tensors)."""
         import torch
 
         model = self.runner.model
@@ -287,6 +302,7 @@ class EngineRank:
             "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
             "requests": list(self.requests_seen),
             "flushes": self.scheduler.flushes,
+            "loaded": list(self.loaded),
         }
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -489,20 +505,30 @@ def mutate_buckets(rename, reshape):
     engines.weight_buckets = buckets if rename or reshape else original
 
 
-def trainer_model(folder, par):
-    """The trainer's policy as main builds it: sharded over par.mesh, then the checkpoint in `folder` streamed in."""
-    import torch
-    from transformers import AutoConfig
+def trainer_config(folder):
+    """The config main builds the model from (checkpoint.tokenizer_and_config): a vision-language folder's text
+    model's."""
+    import checkpoint
 
+    return checkpoint.tokenizer_and_config(folder)[1]
+
+
+def trainer_model(folder, par, bucket_mb):
+    """The trainer's policy as main builds it: sharded over par.mesh, then the checkpoint in `folder` streamed in, and
+    main's check that the push at bucket_mb sends every weight SGLang's class loads, under names it loads."""
+    import torch
+
+    import architectures
     import checkpoint
     import launch
     import train
 
-    config = AutoConfig.from_pretrained(folder)
+    config = trainer_config(folder)
     model = train.build_model(config, par.mesh, torch.device("cpu"))
-    cfg = train.Config(model=folder)
+    cfg = train.Config(model=folder, bucket_mb=bucket_mb)
     files = launch.on_first_rank(par.world_group, checkpoint.weight_files, cfg.model)
     checkpoint.load_weights([model], files, cfg, config, par.world_group)
+    architectures.check_engine_names(model, config, cfg.bucket_mb << 20)
     return model
 
 
@@ -551,7 +577,6 @@ def run_trainer_command(rank, shape, kind, options):
     session open, sglang's (ok, message) returned unchecked."""
     import sglang
     import torch
-    from transformers import AutoConfig
 
     import engines
     import launch
@@ -567,9 +592,7 @@ def run_trainer_command(rank, shape, kind, options):
             shape.engine_class.unset_environ = options.get("unset_environ", ())
             sglang.Engine = shape.engine_class
         cfg = train.Config(engine="sglang", tp=shape.tp, out_dir=options["out_dir"], seed=3)
-        shape.engine = engines.start_engine(
-            cfg, AutoConfig.from_pretrained(options["folder"]), par, torch.device("cpu")
-        )
+        shape.engine = engines.start_engine(cfg, trainer_config(options["folder"]), par, torch.device("cpu"))
         if not owner:  # an SGLangPeer: no sglang.Engine
             return None
         engine = shape.engine.engine
@@ -602,7 +625,7 @@ def run_trainer_command(rank, shape, kind, options):
         return engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket", flush_cache=False)
     assert kind == "push", kind
     began = time.perf_counter()
-    model = trainer_model(options["folder"], par)
+    model = trainer_model(options["folder"], par, options["bucket_mb"])
     built = time.perf_counter()
     engine = trainer_engine.engine if owner else None  # the peers hold no sglang.Engine
     if engine is not None and not options.get("session", True):

@@ -220,7 +220,7 @@ def push_through_fake(rank, world, folder, dp, tp, kind):
     config = AutoConfig.from_pretrained(folder)
     reference = AutoModelForCausalLM.from_pretrained(folder)
     par = launch.parallel_groups("cpu", tp)
-    model = trainer_model(folder, par)
+    model = trainer_model(folder, par, 1)  # at --bucket_mb 1, as cfg below
     cfg = train.Config(engine="sglang", tp=tp, bucket_mb=1, out_dir=os.path.join(folder, "out"))
     owner = par.mesh["tp"].get_local_rank() == 0
     engine = engines.start_engine(cfg, config, par, torch.device("cpu"))  # on every rank, as main does

@@ -2,13 +2,15 @@
 on CPU processes.
 
 tests/sglang_cpu_engine.py runs sglang's own scheduler-side updater, TP-worker deserialization, model-runner updater
-and Qwen2 / Qwen3 load_weights on a dummy-loaded model in one process per engine TP rank, and the trainer's engines
+and the model class's load_weights on a dummy-loaded model in one process per engine TP rank, and the trainer's engines
 (engines.start_engine on every trainer rank, as main does) over the real sglang.Engine class on sharded trainer ranks;
 only ZMQ and the engine's process launch are replaced. Shapes: engine tp 1, 2 and 4 (one engine), and dp 2 x tp 2
 (two engines at once: the second TP group's gathers go to global rank 2, its owner). Every engine parameter starts as
 NaN; after a push each must equal the trainer's weight sharded as sglang shards it, computed here from the HF tensors
-with the sharding formulas (not with sglang's loaders). Further tests show what sglang does with a wrong name, a wrong
-shape, a push outside the 0.5.21+ weight-update session, and unbalanced GPUs without the trainer's setting.
+with the sharding formulas (not with sglang's loaders). Qwen2 and Qwen3 run at every shape; Qwen3-MoE, Qwen3-Next,
+Qwen3.5 and Qwen3.5-MoE (tests/hub_models.py's folders, in the hub's layout) at engine tp 1 and 2, against the formulas
+of tests/sglang_layouts.py. Further tests show what sglang does with a wrong name, a wrong shape, a push outside the
+0.5.21+ weight-update session, and unbalanced GPUs without the trainer's setting.
 
 Needs `pip install --no-deps -r requirements-sglang-cpu.txt` (after requirements-cpu.txt). Processes are started
 once per shape for the module (~20-30 s on 2 cores for tp 1 and 2; four-rank shapes, 8 processes, take longer and run
@@ -27,11 +29,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
+import hub_models
+from demo_model import demo_tokenizer
+from sglang_layouts import expected_parameters, vocab_rows
+
 pytest.importorskip("sglang.srt.utils", reason="needs sglang: pip install --no-deps -r requirements-sglang-cpu.txt")
 from sglang_cpu_engine import FREE_GIB, CPUEngineCluster  # noqa: E402
 
 BUCKET_MB = 1
-VOCAB_PADDING = 64  # sglang's DEFAULT_VOCAB_PADDING_SIZE for embed_tokens and lm_head rows
 SHAPES = {"tp1": (1, 1), "tp2": (1, 2), "tp4": (1, 4), "dp2xtp2": (2, 2)}  # (engines, engine TP size)
 UNBALANCED = "sglang.srt.distributed.bootstrap: The memory capacity is unbalanced."
 
@@ -78,14 +83,15 @@ def contract_config(family, tied, tp=1):
 
 
 def save_model(folder, family, tied, tp=1, seed=0):
-    """The trainer's checkpoint (every tensor random, so any misplaced slice shows) in several safetensors files;
-    engines.SGLangEngine writes the engine's config.json from its config. Returns the folder."""
+    """The trainer's checkpoint (every tensor random, so any misplaced slice shows) in several safetensors files, with
+    the demo's tokenizer; engines.SGLangEngine writes the engine's config.json from its config. Returns the folder."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(contract_config(family, tied, tp))
     with torch.no_grad():
         for param in model.parameters():
             param.normal_()
     model.save_pretrained(folder, max_shard_size="1MB")
+    demo_tokenizer().save_pretrained(folder)
     return str(folder)
 
 
@@ -95,10 +101,10 @@ def start(cluster, folder, **options):
     return cluster.start(folder, f"{folder}-out", **options)
 
 
-def push(cluster, folder, **options):
+def push(cluster, folder, bucket_mb=BUCKET_MB, **options):
     """A training step's end as main does it: the engine's memory released, then engines.push_weights."""
     cluster.trainer("release")
-    return cluster.trainer("push", folder=folder, bucket_mb=BUCKET_MB, **options)
+    return cluster.trainer("push", folder=folder, bucket_mb=bucket_mb, **options)
 
 
 def check_start(owners, dp, tp):
@@ -126,17 +132,6 @@ def hf_tensors(folder):
 
 def rank_slice(total, tp, rank):
     return slice(rank * total // tp, (rank + 1) * total // tp)
-
-
-def vocab_rows(weight, tp, rank):
-    """sglang's vocab-parallel rows: the vocabulary padded to a multiple of 64 (of 64 x tp if that does not divide
-    by tp), split evenly; padding rows are zero."""
-    vocab, padding = weight.shape[0], VOCAB_PADDING
-    if -(-vocab // padding) * padding % tp:
-        padding *= tp
-    per_rank = -(-vocab // padding) * padding // tp
-    rows = weight[rank * per_rank : min((rank + 1) * per_rank, vocab)]
-    return torch.cat([rows, rows.new_zeros(per_rank - len(rows), weight.shape[1])])
 
 
 def expected_engine_parameters(hf, config, tp, rank):
@@ -238,6 +233,88 @@ def test_push_lands_every_weight_exactly_on_every_engine_tp_rank(clusters, tmp_p
             )
             assert state["flushes"] == 2  # releasing the KV cache flushes too
             assert warnings == []  # sglang reports an unknown name only as a warning
+
+
+def save_tied(folder, architecture):
+    """A text-only hub model (Qwen3-MoE or Qwen3-Next) with its LM head tied to the embedding: no lm_head.weight in
+    its files. Returns the folder."""
+    config = hub_models.text_config(architecture)
+    config.tie_word_embeddings = True
+    hub_models.randomized(AutoModelForCausalLM.from_config(config), seed=0).save_pretrained(folder)
+    demo_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def save_hub_case(folder, model, monkeypatch):
+    """The folder of a HUB_CASES model: hub_models' architecture, tied ("-tied"), or Qwen3.5-MoE with experts 640
+    wide ("-wide"), whose fused gate_up_proj [8, 1280, 64] is 1.25 MiB of bf16: over a 1 MB bucket, under a 2 MB one."""
+    architecture, _, variant = model.partition("-")
+    if variant == "tied":
+        return save_tied(folder, architecture)
+    if variant == "wide":
+        monkeypatch.setitem(hub_models.MOE, "moe_intermediate_size", 640)
+    return hub_models.save_hub_model(folder, architecture)
+
+
+# (model, engine shape, --bucket_mb, the form the push gives routed experts: sglang's Qwen3-MoE and Qwen3-Next take
+# them per expert; Qwen3.5-MoE's class takes transformers' fused weights too, sent where the largest fits a bucket)
+HUB_CASES = [
+    ("qwen3_moe", "tp1", 1, "per expert"),
+    ("qwen3_5", "tp1", 1, None),
+    ("qwen3_moe", "tp2", 1, "per expert"),
+    ("qwen3_next", "tp2", 1, "per expert"),
+    ("qwen3_5", "tp2", 1, None),
+    ("qwen3_5_moe", "tp2", 1, "fused"),
+    ("qwen3_next-tied", "tp2", 1, "per expert"),
+    ("qwen3_5_moe-wide", "tp2", 1, "per expert"),
+    ("qwen3_5_moe-wide", "tp2", 2, "fused"),
+]
+
+
+def experts_form(names):
+    """How a push sent routed experts, from the names load_weights was given: "fused", "per expert", None."""
+    experts = [name for name in names if ".experts." in name]
+    forms = {
+        "fused" if name.endswith(("experts.gate_up_proj", "experts.down_proj")) else "per expert" for name in experts
+    }
+    assert len(forms) <= 1, forms  # Qwen3.5-MoE's loader drops per-expert names that follow a fused one
+    return forms.pop() if forms else None
+
+
+@pytest.mark.parametrize(
+    "model,shape,bucket_mb,experts", HUB_CASES, ids=[f"{m}-{s}-bucket{b}mb" for m, s, b, _ in HUB_CASES]
+)
+def test_push_of_a_hub_model_lands_every_weight_exactly_in_sglangs_class(
+    clusters, tmp_path, monkeypatch, model, shape, bucket_mb, experts
+):
+    """Qwen3-MoE, Qwen3-Next, Qwen3.5 and Qwen3.5-MoE, from folders in the hub's layout (Qwen3.5's vision-language,
+    experts fused or per expert) loaded by the trainer's own path, into sglang's text class for each: every
+    parameter (its Gemma norms' weight + 1 buffer too) equals the HF text model's weight as tests/sglang_layouts.py
+    shards it, nothing is left NaN, sglang warns of nothing, each weight is sent once, and routed experts go in the
+    form the case names, the fused form only where it fits --bucket_mb. A tied Qwen3-Next's own LM head gets the
+    embedding; a tied Qwen3.5's is the embedding."""
+    dp, tp = SHAPES[shape]
+    cluster = clusters(dp, tp)
+    folder = save_hub_case(tmp_path / "trainer", model, monkeypatch)
+    check_start(start(cluster, folder), dp, tp)
+    push(cluster, folder, bucket_mb=bucket_mb)
+    text = hub_models.text_model(folder)
+    for rank, (state, warnings) in enumerate(cluster.weights()[0]):
+        parameters, buffers = state["parameters"], state["buffers"]
+        expected = expected_parameters(text.state_dict(), text.config, tp, rank)
+        assert sorted(parameters) == sorted(expected), rank
+        assert {n: t.dtype for n, t in parameters.items()} == {n: t.dtype for n, t in expected.items()}
+        assert nan_parameters(parameters) == [], rank
+        assert mismatches(parameters, expected) == [], rank
+        gemma = sorted(n for n in buffers if n.endswith(".gemma_weight"))
+        assert bool(gemma) == (text.config.model_type != "qwen3_moe")  # Qwen3-Next's and Qwen3.5's norms
+        for name in gemma:
+            weight = expected[name.removesuffix("gemma_weight") + "weight"]
+            assert torch.equal(buffers[name], weight.to(buffers[name].dtype) + 1), name
+        assert not any(b.isnan().any() for b in buffers.values())
+        assert warnings == []
+        assert len(set(state["loaded"])) == len(state["loaded"])
+        assert experts_form(state["loaded"]) == experts
 
 
 def test_a_second_push_replaces_every_weight(clusters, tmp_path):
