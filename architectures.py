@@ -76,7 +76,7 @@ def experts_by_rank(experts, hidden_states, top_k_index, top_k_weights):
     ids = top_k_index - mesh.get_local_rank() * local  # [tokens, k]: in [0, local) where the expert is here
     hidden = DTensor.from_local(hidden_states, mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     weights = DTensor.from_local(top_k_weights, mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-    token, choice = ((ids >= 0) & (ids < local)).nonzero(as_tuple=True)
+    token, choice = ((ids >= 0) & (ids < local)).nonzero(as_tuple=True)  # none at all on an idle rank: fine
     expert = ids[token, choice]
     order = expert.argsort(stable=True)  # grouped by expert, as grouped_mm reads them
     token, choice, expert = token[order], choice[order], expert[order]

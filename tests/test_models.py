@@ -3,6 +3,7 @@ Qwen3.5 as a vision-language folder, Qwen3.5-MoE with fused experts, Qwen3-Next 
 projections): loaded as transformers loads them, one sharded step equal to the formula on the unsharded model at
 every mesh, --tp refused where it cannot divide heads or experts, and a push name SGLang would skip refused."""
 
+import copy
 import pathlib
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor.parallel import parallelize_module
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import architectures
@@ -56,6 +58,11 @@ def test_one_sharded_step_equals_the_formula_on_the_unsharded_model(architecture
     sharded_norm, ref_norm = result["norm"]
     assert sharded_norm == pytest.approx(ref_norm, rel=1e-5) and ref_norm > 0.05
     assert result["weights"] < 1e-5
+
+
+def test_activation_checkpointing_keeps_the_step_exact_on_a_gated_deltanet_moe_model(hub_folders):
+    result = run_ranks(sharded_vs_unsharded, 4, hub_folders["qwen3_5_moe"], 2, 2, "sgd", 1e9, True)[0]
+    assert result["logits"] < 1e-5 and result["weights"] < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -310,3 +317,36 @@ def test_every_feature_runs_on_the_gated_deltanet_moe_models_at_tp_2(model, tmp_
     assert all(r["mismatch_abs"] < 1e-4 and r["log_kept_mass"] < 0 and r["expert_load_max"] >= 1 for r in rows)
     assert any(r["staleness_max"] >= 1 for r in rows) and rows[-1]["kl"] > 0
     assert "eval_greedy_acc" in rows[1] and "eval_greedy_acc" in rows[3]
+
+
+def experts_with_idle_ranks(rank, world):
+    """A routed-experts layer split by expert over tp 2 whose tokens all go to rank 0's experts: its output and
+    gradients against the same layer whole (transformers' own forward), each rank's."""
+    torch.manual_seed(0)
+    config = architectures.text_config(AutoConfig.for_model("qwen3_moe", **SMALL_MOE))
+    whole = AutoModelForCausalLM.from_config(config).model.layers[0].mlp.experts
+    with torch.no_grad():
+        whole.gate_up_proj.normal_(0, 0.2)
+        whole.down_proj.normal_(0, 0.2)
+    split = copy.deepcopy(whole)
+    split.config = copy.deepcopy(config)
+    split.config._experts_implementation = "by_rank"
+    parallelize_module(split, launch.parallel_groups("cpu", 2).mesh["tp"], architectures.ExpertsByRank())
+    hidden = torch.randn(6, config.hidden_size)
+    index = torch.tensor([[0, 1]] * 6)  # experts 0 and 1: rank 0's two of 4
+    weights = torch.rand(6, 2)
+    results = []
+    for experts in (whole, split):
+        x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = experts(x, index, w)
+        (out * torch.arange(out.numel()).view(out.shape)).sum().backward()
+        grads = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in (experts.gate_up_proj.grad,)]
+        results.append((out.detach(), x.grad, w.grad, grads[0]))
+    return [max((a - b).abs().max().item() for a, b in zip(*results))]
+
+
+def test_a_rank_whose_experts_get_no_token_still_gives_exact_output_and_gradients():
+    """By-expert split, every token routed to rank 0's experts: rank 1 runs none through its grouped matmuls, yet it
+    takes part in the sums over tp, and the layer's output, its inputs' gradients and every expert's gradient (0 for
+    rank 1's) equal the whole layer's."""
+    assert max(max(r) for r in run_ranks(experts_with_idle_ranks, 2)) < 1e-5
