@@ -9,12 +9,15 @@ the next Qwen is one entry. The functions below read the table:
     text_config(config)            the config the trainer builds: a vision-language checkpoint's text model
     check_tp(config, tp)           heads and experts that --tp cannot divide, refused at start
     parallelize(model, tp_mesh)    each decoder layer's plan applied, before FSDP
-    layer_plan(layer)              one layer's plan (LoRA splits its adapters the same way)
-    engine_weights(...)            a full weight as the engine's names and shapes, in pieces of at most a bucket
+    layer_plan(layer, config)      one layer's plan (LoRA splits its adapters the same way)
+    routing, expert_load           the MoE load-balancing loss and the busiest expert's load
+    CheckpointLayout               a checkpoint's names as the trainer's parameters, and back (for an export)
     engine_config(config)          the config.json SGLang reads
+    engine_weights(...)            a full weight as the engine's names and shapes, in pieces of at most a bucket
+    check_engine_names(...)        the push against what SGLang's class loads, at start
 
 Names in files (a hub folder's per-expert or fused experts, a vision-language checkpoint's prefixes) are converted by
-transformers' own conversion mapping (checkpoint_conversions), the mapping from_pretrained and save_pretrained use.
+transformers' own conversion mapping, the one from_pretrained and save_pretrained use.
 """
 
 import copy
@@ -345,11 +348,12 @@ def engine_weights(config, name, weight, bucket_bytes):
     if name == "model.embed_tokens.weight" and config.tie_word_embeddings and architecture(config).untied_lm_head:
         yield "lm_head.weight", weight
     parts = expert_parts(name)
-    largest = (
-        weight.element_size() * getattr(config, "num_experts", 0) * 2 * getattr(config, "moe_intermediate_size", 0)
-    )
-    largest *= config.hidden_size  # gate_up_proj's bytes
-    if parts is None or (architecture(config).engine_experts == "fused" and largest <= bucket_bytes):
+    if parts is None:
+        yield name, weight
+        return
+    # gate_up_proj [E, 2I, H], the largest fused weight
+    largest = weight.element_size() * config.num_experts * 2 * config.moe_intermediate_size * config.hidden_size
+    if architecture(config).engine_experts == "fused" and largest <= bucket_bytes:
         yield name, weight
         return
     for expert, rows in enumerate(weight):  # rows [2I, H] or [H, I]
@@ -379,7 +383,8 @@ def check_engine_names(model, config, bucket_bytes):
     for name, param in model.named_parameters():
         if ".lora_" in name:
             continue
-        for piece_name, piece in engine_weights(config, name, torch.empty(param.shape, device="meta"), bucket_bytes):
+        weight = torch.empty(param.shape, dtype=torch.bfloat16, device="meta")  # as SGLang's push sends it
+        for piece_name, piece in engine_weights(config, name, weight, bucket_bytes):
             sent |= {piece_name, *fused.get(piece_name, ())}
             if loads.get(piece_name) != list(piece.shape):
                 loaded = f"it as {loads[piece_name]}" if piece_name in loads else "no such weight"

@@ -14,6 +14,7 @@ load_weights), to resume (find_resume, resume) and to save (save).
 """
 
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -212,18 +213,17 @@ def load_weights(models, files, cfg, model_config, world_group):
     them: lora.init_adapters sets those."""
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     torch.manual_seed(cfg.seed)  # --model tiny: random weights, seeded with --seed
-    batches = []
+    batches = [None]
     if dist.get_rank() == 0:
-        batches = list(weight_batches(files, model_config))
-    plan = [[list(batch) for batch in batches]]
-    dist.broadcast_object_list(plan, src=0, group=world_group)  # the names each batch loads
-    for i in range(len(plan[0])):
-        state = batches[i]() if batches else {}
+        batches[0], read = weight_batches(files, model_config)
+    dist.broadcast_object_list(batches, src=0, group=world_group)  # the names each batch loads
+    for names in batches[0]:
+        state = {name: read(name) for name in names} if dist.get_rank() == 0 else {}
         for model in models:
             # A shallow copy: set_model_state_dict replaces the dict's entries with their shards.
             set_model_state_dict(model, dict(state), options=options)
     expected = [name for name, _ in models[0].named_parameters() if ".lora_" not in name]
-    missing = sorted(set(expected) - {name for names in plan[0] for name in names})
+    missing = sorted(set(expected) - {name for names in batches[0] for name in names})
     if missing:
         raise SystemExit(
             f"--model {cfg.model}: its model*.safetensors files lack {missing[:3]} ({len(missing)} tensors); "
@@ -231,42 +231,26 @@ def load_weights(models, files, cfg, model_config, world_group):
         )
 
 
-class Batch(list):
-    """Parameter names, and called: their tensors, read from the checkpoint's files."""
-
-    def __init__(self, names, read):
-        super().__init__(names)
-        self.read = read
-
-    def __call__(self):
-        return {name: self.read(name) for name in self}
-
-
 def weight_batches(files, config):
-    """On rank 0: the model's parameters in Batches, in the files' order, each of at most the largest file's bytes."""
+    """On rank 0: the model's parameter names in batches, in the files' order, each of at most the largest file's
+    bytes; and read(name), a parameter's tensor, read from the files when asked for."""
     if files == [None]:
         state = AutoModelForCausalLM.from_config(config).state_dict()  # drawn from --seed
-        yield Batch(state, state.get)
-        return
-    handles = {file: safe_open(file, "pt") for file in files}  # read on demand: a tensor's bytes when asked for
+        return [list(state)], state.get
+    handles = {file: safe_open(file, "pt") for file in files}
     where = {key: handle for handle in handles.values() for key in handle.keys()}
     layout = architectures.CheckpointLayout(config, where)
-
-    def read(name):
-        return layout.parameter(name, lambda key: where[key].get_tensor(key))
-
     budget = max(os.path.getsize(file) for file in files)
-    batch = []
+    batches = [[]]
     used = 0
     for name, sources in layout.sources.items():
         size = sum(tensor_bytes(where[key], key) for key, _ in sources)
-        if batch and used + size > budget:
-            yield Batch(batch, read)
-            batch, used = [], 0
-        batch.append(name)
+        if batches[-1] and used + size > budget:
+            batches.append([])
+            used = 0
+        batches[-1].append(name)
         used += size
-    if batch:
-        yield Batch(batch, read)
+    return batches, functools.partial(layout.parameter, read=lambda key: where[key].get_tensor(key))
 
 
 # safetensors' dtypes as torch's, and their bytes per element (the 8-bit ones: 1).
