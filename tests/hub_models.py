@@ -112,16 +112,28 @@ def save_hub_model(folder, architecture, seed=0):
         state["mtp.norm.weight"] = torch.ones(TEXT["hidden_size"])
         save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})  # as it is: fused
         model.config.save_pretrained(folder)
-        with open(os.path.join(folder, "config.json")) as f:
-            config = json.load(f)
-        config["text_config"]["full_attention_interval"] = 2  # as the hub's; transformers keeps layer_types
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
     else:
         model = randomized(AutoModelForCausalLM.from_config(text_config(architecture)), seed)
         model.save_pretrained(folder, max_shard_size="200KB")  # experts per expert, as transformers writes them
+    with_the_hubs_fields(os.path.join(folder, "config.json"), architecture)
     demo_tokenizer().save_pretrained(folder)
     return str(folder)
+
+
+def with_the_hubs_fields(path, architecture):
+    """config.json as the hub's carry it, where transformers 5.19's save_pretrained leaves out what SGLang's config
+    classes read: the Gated DeltaNet models' full_attention_interval (transformers keeps layer_types; SGLang's
+    Qwen3-Next config has no default for it), and Qwen3.5's empty vision_config.deepstack_visual_indexes (SGLang
+    defaults it to [8, 16, 24] and would build deepstack mergers that no checkpoint weight fills)."""
+    with open(path) as f:
+        config = json.load(f)
+    if architecture == "qwen3_next":
+        config["full_attention_interval"] = 2  # LINEAR's layer_types
+    if architecture in VLM_CLASSES:
+        config["text_config"]["full_attention_interval"] = 2
+        config["vision_config"]["deepstack_visual_indexes"] = []
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def text_model(folder):

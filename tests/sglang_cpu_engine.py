@@ -37,6 +37,10 @@ What is replaced:
   per rank, as GPUs whose trainer ranks hold different shards and caches do, so that the balance check has something
   to find.
 
+The engine ranks also load a model folder from disk as a server of its own would (CPUEngineCluster.serve): sglang's
+DefaultModelLoader (load_format "auto") and the class the folder's config.json names, every parameter NaN until the
+loader writes it.
+
 An engine rank that raises (sglang's scheduler would crash and SIGQUIT the engine) answers every later request with
 its traceback until the next load, which builds a fresh model and manager: the "restarted" engine.
 The engine ranks never run sglang's CPU engine branches (SGLANG_USE_CPU_ENGINE stays unset), so the weight loaders
@@ -44,6 +48,7 @@ take the branches they take on a GPU; tests/sglang_cpu_stubs/ supplies torchvisi
 the trainer ranks, which import sglang.Engine.
 """
 
+import contextlib
 import io
 import logging
 import multiprocessing
@@ -78,18 +83,24 @@ def free_port():
         return s.getsockname()[1]
 
 
+class KeepWarnings(logging.Handler):
+    """Warnings (and worse) appended to `records` as "logger: message"."""
+
+    def __init__(self, records):
+        super().__init__(level=logging.WARNING)
+        self.records = records
+
+    def emit(self, record):
+        self.records.append(f"{record.name}: {record.getMessage()}")
+
+
 def quiet_logging():
     """sglang's warnings kept in a list (returned to the test), not printed; Python warnings off."""
     warnings.simplefilter("ignore")
     records = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(f"{record.name}: {record.getMessage()}")
-
     for name in ("sglang", "root"):
         log = logging.getLogger(None if name == "root" else name)
-        log.handlers[:] = [Keep(level=logging.WARNING)]
+        log.handlers[:] = [KeepWarnings(records)]
         log.propagate = False
     return records
 
@@ -160,6 +171,43 @@ def tp_worker_stand_in(runner):
     return TpWorkerStandIn()
 
 
+@contextlib.contextmanager
+def models_built_as_nan(loaded, warned):
+    """While active, sglang's model construction (model_loader/loader.py's _initialize_model, which every loader
+    calls before it writes any weight) makes every parameter NaN, and the model's load_weights records the names it is
+    given into `loaded` and sglang's warnings while it runs into `warned`."""
+    import sglang.srt.model_loader.loader as loader
+    import torch
+
+    initialize = loader._initialize_model
+
+    def initialize_as_nan(*args, **kwargs):
+        model = initialize(*args, **kwargs)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.fill_(float("nan"))
+        load_weights = model.load_weights
+
+        def recorded_load_weights(weights):
+            weights = list(weights)
+            loaded.extend(name for name, _ in weights)
+            handler = KeepWarnings(warned)
+            logging.getLogger("sglang").addHandler(handler)
+            try:
+                return load_weights(weights)
+            finally:
+                logging.getLogger("sglang").removeHandler(handler)
+
+        model.load_weights = recorded_load_weights
+        return model
+
+    loader._initialize_model = initialize_as_nan
+    try:
+        yield
+    finally:
+        loader._initialize_model = initialize
+
+
 class EngineRank:
     """One engine TP rank: sglang's runtime context and groups, a dummy-loaded model, the real updater stack."""
 
@@ -181,7 +229,8 @@ class EngineRank:
 
     def load_model(self, engine_kwargs, environ):
         """The scheduler's steps on CPU, with the arguments sglang.Engine was given: publish, (once) the groups on
-        nccl_port, ModelConfig, the memory baseline and its TP balance check, get_model; every parameter NaN."""
+        nccl_port, ModelConfig, the memory baseline and its TP balance check, get_model. Every parameter is NaN where
+        the loader leaves it: the dummy loader's values are replaced by NaN, a loader reading files writes over NaN."""
         import sglang.srt.utils.common as common
         import torch
         from sglang.srt.configs.device_config import DeviceConfig
@@ -211,23 +260,19 @@ class EngineRank:
             bootstrap.measure_pre_model_load_memory(device="cpu", is_draft_worker=False)
         finally:
             common.get_free_cpu_memory = probe
-        model = get_model(
-            model_config=model_config,
-            load_config=LoadConfig(load_format=engine_kwargs["load_format"]),
-            device_config=DeviceConfig("cpu", gpu_id),
-        )
-        with torch.no_grad():
-            for param in model.parameters():
-                param.fill_(float("nan"))
-        self.loaded = []  # the names the updater gives load_weights, in order
-        load_weights = model.load_weights
-
-        def recorded_load_weights(weights):
-            weights = list(weights)
-            self.loaded += [name for name, _ in weights]
-            return load_weights(weights)
-
-        model.load_weights = recorded_load_weights
+        self.loaded = []  # the names load_weights is given, in order: by a loader reading files, then by pushes
+        self.load_weights_warnings = []  # sglang's warnings while load_weights ran
+        with models_built_as_nan(self.loaded, self.load_weights_warnings):
+            model = get_model(
+                model_config=model_config,
+                load_config=LoadConfig(load_format=engine_kwargs["load_format"]),
+                device_config=DeviceConfig("cpu", gpu_id),
+            )
+        if engine_kwargs["load_format"] == "dummy":  # its random values NaN too: what a push leaves unset shows
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.fill_(float("nan"))
+        self.model_class = type(model).__name__
         self.runner = ModelRunnerStandIn(model, model_config, self.tp_rank)
         self.scheduler = SchedulerStandIn()
         self.manager = SchedulerWeightUpdaterManager(
@@ -291,9 +336,9 @@ class EngineRank:
             abort_distributed_environment()
 
     def weights(self):
-        """torch.save bytes of the parameters, the buffers, the requests seen, the flush count and the names
-        load_weights was given (torch.save: after sglang's monkey_patch_torch_reductions, ForkingPickler can no longer
-        pickle CPU tensors)."""
+        """torch.save bytes of the parameters, the buffers, the requests seen, the flush count, the names
+        load_weights was given and sglang's warnings as it ran, and the model's class name (torch.save: after sglang's
+        monkey_patch_torch_reductions, ForkingPickler can no longer pickle CPU tensors)."""
         import torch
 
         model = self.runner.model
@@ -303,6 +348,8 @@ class EngineRank:
             "requests": list(self.requests_seen),
             "flushes": self.scheduler.flushes,
             "loaded": list(self.loaded),
+            "load_weights_warnings": list(self.load_weights_warnings),
+            "model_class": self.model_class,
         }
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -373,6 +420,12 @@ def engine_rank_main(engine, tp_rank, tp_size, gpus, requests, to_owner, to_harn
         try:
             if command == "weights":
                 result = (rank.weights(), list(log))
+            elif command == "serve":  # a model folder loaded as by a server of its own (CPUEngineCluster.serve)
+                began = time.perf_counter()
+                log.clear()
+                rank.load_model(*args)
+                result = (time.perf_counter() - began, list(log))
+                log.clear()
             elif command == "ipc_pickle":
                 result = try_cpu_tensor_ipc_pickle()
             else:
@@ -756,6 +809,20 @@ class CPUEngineCluster:
         dp, tp = self.shape
         states = [(torch.load(io.BytesIO(data)), log) for data, log in self._engine_command("weights")]
         return [states[e * tp : (e + 1) * tp] for e in range(dp)]
+
+    def serve(self, folder):
+        """Every rank of the current shape's one engine loads the model folder `folder` as `python -m
+        sglang.launch_server --model-path folder --tp N` would: ServerArgs of that path (load_format "auto": sglang's
+        DefaultModelLoader reads its safetensors files; the class is the one its config.json's architectures names),
+        then the scheduler's steps of EngineRank.load_model, every parameter NaN until the loader writes it. Two
+        settings differ from a server's defaults: dtype bfloat16, which "auto" gives the hub's bf16 checkpoints (these
+        tests' float32 folders would get float16, configs/model_config.py:2303-2319), and the TP memory-balance
+        check off (the harness's probe reports unbalanced GPUs, FREE_GIB; a server of its own has balanced ones).
+        Per rank: (seconds, sglang's warnings during the load); weights() then reads what was loaded."""
+        dp, tp = self.shape
+        assert dp == 1, "one engine: its ranks' groups are built on the port given here, unless built before"
+        kwargs = dict(model_path=folder, load_format="auto", dtype="bfloat16", tp_size=tp, nccl_port=free_port())
+        return self._engine_command("serve", kwargs, {"SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "false"})
 
     def cpu_tensor_ipc_pickle(self):
         return self._engine_command("ipc_pickle")[0]

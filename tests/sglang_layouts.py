@@ -149,10 +149,13 @@ def shared_expert(hf, prefix, tp, rank):
     }
 
 
-def expected_parameters(hf, config, tp, rank):
+def expected_parameters(hf, config, tp, rank, dtype=torch.bfloat16):
     """sglang's parameters on engine TP rank `rank` of `tp`, by name, from `hf`, the state dict of transformers' text
-    model (fused experts) in the trainer's config `config`. Each layer's kinds are read off its HF names."""
-    hf = {name: tensor.to(torch.bfloat16) for name, tensor in hf.items()}  # as pushed
+    model (fused experts) in the trainer's config `config`. Each layer's kinds are read off its HF names. The tensors
+    arrive in `dtype`, bf16 as pushed; None: as `hf` holds them, as a loader reading a checkpoint gets them (each
+    parameter's loader then casts to its own dtype)."""
+    if dtype is not None:
+        hf = {name: tensor.to(dtype) for name, tensor in hf.items()}
     expected = {
         "model.embed_tokens.weight": vocab_rows(hf["model.embed_tokens.weight"], tp, rank),
         "model.norm.weight": hf["model.norm.weight"],
@@ -181,4 +184,32 @@ def expected_parameters(hf, config, tp, rank):
         expected.update(routed_experts(hf, mlp, tp, rank))
         if f"{mlp}shared_expert_gate.weight" in hf:
             expected.update(shared_expert(hf, mlp, tp, rank))
+    return expected
+
+
+def vision_tower(hf, tp, rank):
+    """sglang's parameters of Qwen3.5's vision tower (Qwen3VLMoeVisionModel, models/qwen3_vl.py) on engine TP rank
+    `rank` of `tp`, by name, from a checkpoint's model.visual.* tensors in `hf`, renamed as the vision-language
+    class's load_weights renames them (model.visual. -> visual., attn.qkv. -> attn.qkv_proj., models/qwen3_5.py:
+    2520-2523): the position embedding by vocabulary rows (a VocabParallelEmbedding, models/qwen3_vl.py:400); each
+    block's fused qkv split into q, k and v, each split (QKVParallelLinear given no shard id, layers/linear.py:1373);
+    its mlp.linear_fc1 and the merger's split by output rows, weight and bias (ColumnParallelLinear); attn.proj's and
+    linear_fc2's weights split on their input (RowParallelLinear, whose bias is whole on every rank); the patch
+    embedding's convolution and the layer norms whole."""
+    expected = {}
+    for name, tensor in hf.items():
+        if not name.startswith("model.visual."):
+            continue
+        name = name.replace("model.visual.", "visual.").replace(".attn.qkv.", ".attn.qkv_proj.")
+        module, _, leaf = name.rpartition(".")
+        if module == "visual.pos_embed":
+            expected[name] = vocab_rows(tensor, tp, rank)
+        elif module.endswith(".attn.qkv_proj"):
+            expected[name] = stacked(tensor.chunk(3), tp, rank)
+        elif module.endswith(".linear_fc1"):
+            expected[name] = rows(tensor, tp, rank)
+        elif module.endswith((".attn.proj", ".linear_fc2")) and leaf == "weight":
+            expected[name] = columns(tensor, tp, rank)
+        else:
+            expected[name] = tensor
     return expected

@@ -10,7 +10,9 @@ NaN; after a push each must equal the trainer's weight sharded as sglang shards 
 with the sharding formulas (not with sglang's loaders). Qwen2 and Qwen3 run at every shape; Qwen3-MoE, Qwen3-Next,
 Qwen3.5 and Qwen3.5-MoE (tests/hub_models.py's folders, in the hub's layout) at engine tp 1 and 2, against the formulas
 of tests/sglang_layouts.py. Further tests show what sglang does with a wrong name, a wrong shape, a push outside the
-0.5.21+ weight-update session, and unbalanced GPUs without the trainer's setting.
+0.5.21+ weight-update session, and unbalanced GPUs without the trainer's setting. And sglang's own model loader
+serves the trainer's export of each hub model (a checkpoint's hf/ folder) from disk, as a server given its path would,
+with the trained weights (and Qwen3.5's vision tower) in every parameter.
 
 Needs `pip install --no-deps -r requirements-sglang-cpu.txt` (after requirements-cpu.txt). Processes are started
 once per shape for the module (~20-30 s on 2 cores for tp 1 and 2; four-rank shapes, 8 processes, take longer and run
@@ -21,17 +23,21 @@ import glob
 import json
 import math
 import os
+import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
+import architectures
+import checkpoint
 import hub_models
 from demo_model import demo_tokenizer
-from sglang_layouts import expected_parameters, vocab_rows
+from sglang_layouts import expected_parameters, vision_tower, vocab_rows
 
 pytest.importorskip("sglang.srt.utils", reason="needs sglang: pip install --no-deps -r requirements-sglang-cpu.txt")
 from sglang_cpu_engine import FREE_GIB, CPUEngineCluster  # noqa: E402
@@ -195,6 +201,21 @@ def mismatches(parameters, expected):
     return sorted(n for n in expected if not torch.equal(parameters[n], expected[n]))
 
 
+def in_dtypes_of(parameters, expected):
+    """expected's tensors each in its sglang parameter's dtype, as the parameter's loader casts what it reads."""
+    return {name: tensor.to(parameters[name].dtype) for name, tensor in expected.items()}
+
+
+def check_gemma_norms(buffers, expected, model_type):
+    """Qwen3-Next's and Qwen3.5's norms (GemmaRMSNorm) hold weight + 1 in a buffer, which their kernels use; the norm's
+    loader refreshes it."""
+    gemma = sorted(name for name in buffers if name.endswith(".gemma_weight"))
+    assert bool(gemma) == (model_type != "qwen3_moe")
+    for name in gemma:
+        weight = expected[name.removesuffix("gemma_weight") + "weight"]
+        assert torch.equal(buffers[name], weight.to(buffers[name].dtype) + 1), name
+
+
 CASES = [
     (family, tied, shape)
     for shape in ("tp4", "dp2xtp2", "tp1", "tp2")  # the four-rank shapes first: alone
@@ -306,15 +327,85 @@ def test_push_of_a_hub_model_lands_every_weight_exactly_in_sglangs_class(
         assert {n: t.dtype for n, t in parameters.items()} == {n: t.dtype for n, t in expected.items()}
         assert nan_parameters(parameters) == [], rank
         assert mismatches(parameters, expected) == [], rank
-        gemma = sorted(n for n in buffers if n.endswith(".gemma_weight"))
-        assert bool(gemma) == (text.config.model_type != "qwen3_moe")  # Qwen3-Next's and Qwen3.5's norms
-        for name in gemma:
-            weight = expected[name.removesuffix("gemma_weight") + "weight"]
-            assert torch.equal(buffers[name], weight.to(buffers[name].dtype) + 1), name
+        check_gemma_norms(buffers, expected, text.config.model_type)
         assert not any(b.isnan().any() for b in buffers.values())
         assert warnings == []
         assert len(set(state["loaded"])) == len(state["loaded"])
         assert experts_form(state["loaded"]) == experts
+
+
+# ----------------------------------------------------------------------------- serving the trainer's export
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """export(architecture), made once for the module: a hub folder of the architecture ("source") and the trainer's
+    export of it ("folder", checkpoint.write_hub_layout as a checkpoint's hf/ is written) for weights trained from it
+    ("trained": the weights of transformers' text model of the source, "original", each moved by N(0, 0.01^2) noise,
+    by the trainer's names), in the trainer's text config ("config")."""
+    made = {}
+
+    def export(architecture):
+        if architecture not in made:
+            root = tmp_path_factory.mktemp(architecture)
+            source = hub_models.save_hub_model(root / "source", architecture)
+            original = {name: param.detach() for name, param in hub_models.text_model(source).named_parameters()}
+            generator = torch.Generator().manual_seed(1)
+            trained = {name: w + 0.01 * torch.randn(w.shape, generator=generator) for name, w in original.items()}
+            config = architectures.text_config(AutoConfig.from_pretrained(source))
+            checkpoint.write_hub_layout(str(root / "hf"), trained, config, source)
+            made[architecture] = types.SimpleNamespace(
+                source=source, folder=str(root / "hf"), original=original, trained=trained, config=config
+            )
+        return made[architecture]
+
+    return export
+
+
+SERVED_CLASSES = {  # the class sglang picks by the architectures of the export's (the source's) config.json
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
+SERVE_CASES = [(architecture, shape) for shape in ("tp1", "tp2") for architecture in hub_models.ARCHITECTURES]
+
+
+@pytest.mark.parametrize("architecture,shape", SERVE_CASES, ids=[f"{a}-{s}" for a, s in SERVE_CASES])
+def test_sglangs_own_loader_serves_the_trainers_export_of_a_hub_model_with_the_trained_weights(
+    clusters, exports, architecture, shape
+):
+    """The hf/ folder a checkpoint writes (checkpoint.write_hub_layout) from a hub folder of Qwen3-MoE, Qwen3.5 or
+    Qwen3.5-MoE (vision-language folders, experts fused) or Qwen3-Next, loaded as an sglang server loads its
+    --model-path, at engine tp 1 and 2: sglang's DefaultModelLoader reads the export's files (the source's tensor names
+    and dtypes) and gives every tensor in them to the class that the export's config.json (the source's, unchanged)
+    names, Qwen3.5's vision-language ones. Every text-model parameter then equals the trained weight (not the
+    source's) as tests/sglang_layouts.py lays it out on the rank, the Gemma norms' weight + 1 buffers too; the vision
+    tower equals the source's; no parameter is left NaN and sglang warns of nothing."""
+    export = exports(architecture)
+    config_json = [pathlib.Path(folder, "config.json").read_text() for folder in (export.source, export.folder)]
+    assert config_json[0] == config_json[1]
+    source, written = hf_tensors(export.source), hf_tensors(export.folder)
+    assert {n: t.dtype for n, t in written.items()} == {n: t.dtype for n, t in source.items()}
+    assert any(name.startswith("model.visual.") for name in source) == (architecture in hub_models.VLM_CLASSES)
+    dp, tp = SHAPES[shape]
+    cluster = clusters(dp, tp)
+    cluster.serve(export.folder)
+    for rank, (state, warnings) in enumerate(cluster.weights()[0]):
+        assert state["model_class"] == SERVED_CLASSES[architecture]
+        assert sorted(state["loaded"]) == sorted(written)  # every tensor of the export's files, once
+        parameters, buffers = state["parameters"], state["buffers"]
+        assert nan_parameters(parameters) == [], rank
+        text = {name: tensor for name, tensor in parameters.items() if not name.startswith("visual.")}
+        expected = expected_parameters(export.trained, export.config, tp, rank, dtype=None)
+        assert sorted(text) == sorted(expected), rank
+        expected = in_dtypes_of(parameters, expected)
+        assert mismatches(parameters, expected) == [], rank
+        untrained = in_dtypes_of(parameters, expected_parameters(export.original, export.config, tp, rank, dtype=None))
+        assert [name for name in expected if torch.equal(expected[name], untrained[name])] == []  # the noise shows
+        check_gemma_norms(buffers, expected, export.config.model_type)
+        vision = in_dtypes_of(parameters, vision_tower(source, tp, rank))
+        assert sorted(vision) == sorted(parameters.keys() - text.keys()), rank
+        assert mismatches(parameters, vision) == [], rank
+        assert state["load_weights_warnings"] == [] and warnings == []
 
 
 def test_a_second_push_replaces_every_weight(clusters, tmp_path):
