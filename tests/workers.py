@@ -3,6 +3,7 @@ takes about a second instead of the ~7 s a fresh torchrun costs."""
 
 import multiprocessing
 import os
+import pickle
 import socket
 import traceback
 
@@ -21,7 +22,8 @@ def _worker(fn, rank, world, port, args, results):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        results.put((rank, fn(rank, world, *args), None))
+        # Pickled here: a tensor the queue shared would need this rank alive when the test reads it.
+        results.put((rank, pickle.dumps(fn(rank, world, *args)), None))
         dist.destroy_process_group()
     except BaseException:
         results.put((rank, None, traceback.format_exc()))
@@ -40,7 +42,7 @@ def run_ranks(fn, world, *args, timeout=120):
             rank, value, error = results.get(timeout=timeout)
             if error:
                 raise AssertionError(f"rank {rank} failed:\n{error}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5)
