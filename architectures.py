@@ -230,29 +230,104 @@ def parallelize(model, tp_mesh):
         model.set_experts_implementation("by_rank")
 
 
-def routing(out, mask, config):
-    """Of a forward with output_router_logits: transformers' load-balancing loss (over the tokens `mask` keeps) and
-    each MoE layer's tokens per expert [layers, experts], counted as the router chose them (its top k); for a model
+def routers(model):
+    """{decoder layer index: its router} of the layers with routed experts (transformers' mlp.gate)."""
+    return {i: layer.mlp.gate for i, layer in enumerate(model.model.layers) if has_module(layer, "mlp.experts")}
+
+
+def record_routing(model):
+    """Forward hooks on each router of `model`: every forward appends each layer's top-k choices to
+    model.routed[layer] (an engine's copy, which reports what it sampled with)."""
+    model.routed = defaultdict(list)
+    for i, router in routers(model).items():
+        router.register_forward_hook(functools.partial(recorded, model, i))
+
+
+def recorded(model, layer, router, args, out):
+    model.routed[layer].append(out[2])  # transformers' routers return (logits, weights, top-k indices)
+
+
+def replay_routing(model):
+    """Forward hooks on each router of `model` that, while model.replay is set ([tokens of the forward, layers, k]
+    of an engine's choices; -1 where it has none), route each token to the experts it names, weighted by the
+    router's own softmax gathered at them and renormalised where the config says (rollout routing replay): the
+    router keeps its gradient. The hooks stay for backward, whose recomputation (activation checkpointing) replays
+    alike."""
+    model.replay = None
+    renormalise = getattr(model.config, "norm_topk_prob", True)  # Qwen3.5-MoE's router always renormalises
+    for i, router in routers(model).items():
+        router.register_forward_hook(functools.partial(replayed, model, i, renormalise))
+
+
+def replayed(model, layer, renormalise, router, args, out):
+    if model.replay is None:
+        return None
+    logits, weights, own = out
+    given = model.replay[:, layer].to(own.device, torch.long)  # [tokens, k]
+    chosen = torch.where((given >= 0).all(-1, keepdim=True), given, own)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, chosen)
+    if renormalise:
+        probs = probs / probs.sum(-1, keepdim=True)
+    return logits, probs.to(weights.dtype), chosen
+
+
+def routing_dtype(config):
+    """The dtype that holds an expert's index: a byte while the experts fit one."""
+    return torch.uint8 if config.num_experts <= 256 else torch.int16
+
+
+def engine_routing(samples, longest, config):
+    """The samples' routings as the engine gave them (Sample.routing: its experts for every position it ran, each
+    token's but the last) as one tensor [samples x longest, layers, k] in the forward's order, right-padded; -1 where
+    a position has none (the last token, padding, a tool's output after the last engine call). None where the
+    engine reported none (--routing_replay off)."""
+    if not any(len(s.routing) for s in samples):
+        return None
+    layers, top_k = config.num_hidden_layers, config.num_experts_per_tok
+    replay = torch.full((len(samples), longest, layers, top_k), -1, dtype=torch.int16)
+    for b, s in enumerate(samples):
+        replay[b, : len(s.routing)] = s.routing
+    return replay.view(-1, layers, top_k)
+
+
+def routing(out, mask, model, engine=None):
+    """Of a forward with output_router_logits: transformers' load-balancing loss (over the tokens `mask` keeps), and
+    counts [MoE layers, experts + 2]: each expert's tokens as the router chose them (its own top k), then the tokens
+    whose top-k set differs from the engine's routing `engine` (engine_routing's) and those compared; for a model
     without routed experts, 0 and an empty count."""
     if getattr(out, "router_logits", None) is None:
         return mask.new_zeros((), dtype=torch.float32), mask.new_zeros((0, 0), dtype=torch.float32)
     kept = mask.reshape(-1).bool()
+    config = model.config
     counts = []
-    for logits in out.router_logits:  # [batch x time, experts]
-        chosen = logits[kept].topk(config.num_experts_per_tok, dim=-1).indices
-        counts.append(torch.bincount(chosen.reshape(-1), minlength=config.num_experts).float())
+    for layer, logits in zip(routers(model), out.router_logits):  # [batch x time, experts], a MoE layer's
+        own = logits.topk(config.num_experts_per_tok, dim=-1).indices
+        tokens = torch.bincount(own[kept].reshape(-1), minlength=config.num_experts).float()
+        pairs = tokens.new_zeros(2)  # mismatched, compared
+        if engine is not None:
+            given = engine[:, layer].to(own.device, torch.long)
+            compared = kept & (given >= 0).all(-1)
+            differ = (own.sort(-1).values != given.sort(-1).values).any(-1)
+            pairs = torch.stack([(differ & compared).sum(), compared.sum()]).float()
+        counts.append(torch.cat([tokens, pairs]))
     return out.aux_loss.float(), torch.stack(counts)
 
 
-def expert_load(tokens, par):
-    """expert_load_max: over the MoE layers, the most the busiest expert got of the step's tokens against the mean,
-    from every rank's counts (a TP group's once); nothing for a dense model. 1: balanced; E / k: collapsed."""
-    if not torch.is_tensor(tokens) or tokens.numel() == 0:
+def expert_load(counts, par):
+    """expert_load_max: over the MoE layers, the most the busiest expert got of the step's tokens against the mean;
+    routing_mismatch: the share of (token, MoE layer) pairs whose router's top-k set differs from the engine's, where
+    the engine reported its routing. From every rank's counts (routing's, a TP group's once); nothing for a dense
+    model."""
+    if not torch.is_tensor(counts) or counts.numel() == 0:
         return {}
-    tokens = tokens.double()
-    dist.all_reduce(tokens, group=par.world_group)
-    tokens /= par.mesh["tp"].size()
-    return {"expert_load_max": (tokens.amax(1) / tokens.mean(1).clamp(min=1e-9)).max().item()}
+    counts = counts.double()
+    dist.all_reduce(counts, group=par.world_group)
+    counts /= par.mesh["tp"].size()
+    tokens, (mismatched, compared) = counts[:, :-2], counts[:, -2:].sum(0).tolist()
+    metrics = {"expert_load_max": (tokens.amax(1) / tokens.mean(1).clamp(min=1e-9)).max().item()}
+    if compared:
+        metrics["routing_mismatch"] = mismatched / compared
+    return metrics
 
 
 # ----------------------------------------------------------------------------------------------------------------

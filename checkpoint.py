@@ -121,8 +121,8 @@ def tokenizer_and_config(model, lora_rank=0):
 
 
 def load_tokenizer_and_config(cfg, items):
-    """--model's tokenizer and config, checked against the items' prompts: a sample must fit the model's context
-    and a micro-batch."""
+    """--model's tokenizer and config, checked against the items' prompts and the flags: a sample must fit the
+    model's context and a micro-batch, and --routing_replay needs routed experts."""
     tokenizer, config = tokenizer_and_config(cfg.model, cfg.lora_rank)
     longest = max(len(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items)
     sample_tokens = longest + cfg.max_new_tokens
@@ -130,6 +130,11 @@ def load_tokenizer_and_config(cfg, items):
         raise SystemExit(
             f"the longest prompt ({longest} tokens) and --max_new_tokens {cfg.max_new_tokens} exceed the context "
             f"length {config.max_position_embeddings} less 6 (SGLang's margin): lower one of them"
+        )
+    if cfg.routing_replay != "off" and not getattr(config, "num_experts", 0):
+        raise SystemExit(
+            f"--routing_replay {cfg.routing_replay}: --model {cfg.model} is a {config.model_type} model, without "
+            "routed experts to replay: drop the flag"
         )
     if 0 < cfg.max_tokens_per_microbatch < sample_tokens:  # a sample must fit one micro-batch
         raise SystemExit(
@@ -268,13 +273,15 @@ def tensor_bytes(handle, key):
 # The run folder: config.json, metrics.jsonl, wandb/ and checkpoints/
 
 
-def open_run_dir(cfg, start_step, wandb_id):
-    """On rank 0: the flags that differ from the defaults printed, wandb started (wandb.run), config.json written
-    with every flag and a new run id, which is returned, and metrics.jsonl cut back to start_step (the steps after
-    it run again; a fresh run, start_step 0, keeps no line: not an earlier run's evaluation before training)."""
+def open_run_dir(cfg, start_step, wandb_id, notes=()):
+    """On rank 0: the flags that differ from the defaults printed, then `notes` (flags.start_notes'), wandb started
+    (wandb.run), config.json written with every flag and a new run id, which is returned, and metrics.jsonl cut back
+    to start_step (the steps after it run again; a fresh run, start_step 0, keeps no line: not an earlier run's
+    evaluation before training)."""
     defaults = {field.name: field.default for field in dataclasses.fields(cfg)}
     changed = [f"{key}={value}" for key, value in dataclasses.asdict(cfg).items() if value != defaults[key]]
-    print(textwrap.fill("config: " + " ".join(changed), 120, subsequent_indent="  "), flush=True)
+    for line in ["config: " + " ".join(changed), *notes]:
+        print(textwrap.fill(line, 120, subsequent_indent="  "), flush=True)
     config = dict(dataclasses.asdict(cfg), run_id=os.urandom(8).hex())  # new: a folder only one node sees lacks it
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)

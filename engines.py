@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -31,10 +32,13 @@ class Engine:
         """(HF name, full tensor) pairs as the engine loads them: here, as the trainer names them."""
         return weights
 
-    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed):
+    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None):
         """Per prompt: the sampled ids, stop included, their log-probs under logits / temperature, and with top_p < 1
         or top_k > 0 each token's kept set (the ids it was drawn from), the ids one set after another and the sets'
-        sizes, the log-probs renormalised over them. Without truncation the sets are empty."""
+        sizes, the log-probs renormalised over them; without truncation the sets are empty. Then, with routing_from
+        (a position per prompt), the experts each MoE layer chose at every position from there up to the last
+        input token and at each new token but the last: [positions, layers, k] of architectures.routing_dtype;
+        without, empty."""
         raise NotImplementedError
 
     def release_memory(self):
@@ -68,11 +72,12 @@ class HFEngine(Engine):
 
     def __init__(self, model_config, device):
         self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).to(device).eval()
+        architectures.record_routing(self.model)  # an MoE model's routers say what they chose
 
     def update(self, bucket, group):
-        self.model.load_state_dict(dict(bucket), strict=False)  # check_pushed_names vouches for the names
+        self.model.load_state_dict(dict(bucket), strict=False)  # check_engine_names vouches for the names
 
-    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed):
+    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None):
         logits_bytes = max(budgets) * self.model.config.vocab_size * 4
         batch = max(1, self.batch_bytes // logits_bytes)
         sampling = {}
@@ -80,15 +85,18 @@ class HFEngine(Engine):
             sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)  # top_k 0: off
         outputs = []
         for i in range(0, len(prompts), batch):  # each batch seeded afresh
-            outputs += self.generate_batch(prompts[i : i + batch], budgets[i : i + batch], sampling, stop_ids, seed + i)
+            part = slice(i, i + batch)
+            routing = None if routing_from is None else routing_from[part]
+            outputs += self.generate_batch(prompts[part], budgets[part], sampling, stop_ids, seed + i, routing)
         return outputs
 
-    def generate_batch(self, prompts, budgets, sampling, stop_ids, seed):
+    def generate_batch(self, prompts, budgets, sampling, stop_ids, seed, routing_from):
         longest = max(map(len, prompts))
         device = self.model.device
         # Left-padded, the padding masked.
         ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+        self.model.routed.clear()
         with torch.random.fork_rng(devices=[]):  # seeded sampling that leaves the global RNG alone
             torch.manual_seed(seed)
             out = self.model.generate(
@@ -105,7 +113,7 @@ class HFEngine(Engine):
         scores = torch.stack(out.scores, 1).float()  # [N, T, V]
         truncated = sampling.get("top_p", 1.0) < 1 or sampling.get("top_k", 0) > 0  # greedy: nothing in `sampling`
         results = []
-        for seq, budget, seq_scores in zip(out.sequences[:, longest:].tolist(), budgets, scores):
+        for b, (seq, budget, seq_scores) in enumerate(zip(out.sequences[:, longest:].tolist(), budgets, scores)):
             seq = seq[:budget]  # a budget below the batch's longest
             stop = next((t for t, token in enumerate(seq) if token in stop_ids), None)
             if stop is not None:
@@ -118,8 +126,22 @@ class HFEngine(Engine):
                 kept = torch.isfinite(seq_scores)  # [tokens, V]
                 kept_ids = kept.nonzero()[:, 1].int().cpu()  # row by row, each row's ids
                 kept_sizes = kept.sum(1, dtype=torch.int32).cpu()
-            results.append((seq, logprobs, kept_ids, kept_sizes))
+            routing = torch.zeros(0, dtype=torch.uint8)
+            if routing_from is not None:  # from routing_from[b] to the last position that produced a kept token
+                end = len(prompts[b]) + len(seq) - 1
+                routing = self.routed_positions(b, len(prompts), longest - len(prompts[b]), end)[routing_from[b] :]
+            results.append((seq, logprobs, kept_ids, kept_sizes, routing))
         return results
+
+    def routed_positions(self, row, rows, padding, end):
+        """Batch row `row`'s (of `rows`) routers' choices at its positions 0 to end - 1 [positions, layers, k], from
+        this batch's forwards: the prefill's (left-padded by `padding`), then one position a decoding step."""
+        config = self.model.config
+        routing = torch.zeros(end, config.num_hidden_layers, config.num_experts_per_tok, dtype=torch.long)
+        for layer, (prefill, *steps) in self.model.routed.items():  # [rows x longest, k], then [rows, k] a step
+            prompt = prefill.view(rows, -1, prefill.shape[-1])[row, padding:]
+            routing[:, layer] = torch.cat([prompt, *(step[row : row + 1] for step in steps)])[:end]
+        return routing.to(architectures.routing_dtype(config))
 
 
 def start_engine(cfg, model_config, par, device):
@@ -190,6 +212,9 @@ class SGLangEngine(SGLangPeer):
         architectures.engine_config(model_config).save_pretrained(config_dir)
         # The engine's processes inherit ignored SIGINT / SIGTERM: torchrun's signals are the trainer's to act on.
         handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        routing = {}  # --routing_replay: its capturer of each token's experts, started with the engine
+        if cfg.routing_replay != "off":
+            routing["enable_return_routed_experts"] = True
         self.engine = sglang.Engine(
             model_path=config_dir,
             load_format="dummy",  # the first push brings the weights
@@ -204,46 +229,58 @@ class SGLangEngine(SGLangPeer):
             mem_fraction_static=cfg.mem_fraction,
             log_level="error",
             enable_fp32_lm_head=True,  # logits in fp32 from bf16 inputs, as the trainer's (sglang 0.5.3 and newer)
+            **routing,
         )
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         # The first request starts SGLang's event loop, which installs its own SIGTERM handler: the trainer's wins.
         self.engine.generate(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
 
-    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed):  # seeded at start, by --seed
+    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None):
+        # Seeded at start, by --seed. With routing_from, the routed experts of every sequence from the least of them.
         sampling = []
         for budget in budgets:
             params = dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_ids, max_new_tokens=budget)
             if top_k > 0:
                 params["top_k"] = top_k
             sampling.append(params)
+        routing = {}
+        if routing_from is not None:
+            routing = dict(return_routed_experts=True, routed_experts_start_len=min(routing_from))
         if temperature > 0 and (top_p < 1 or top_k > 0):
-            return self.generate_truncated(prompts, sampling)
-        outputs = self.engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True)
+            outputs = self.generate_truncated(prompts, sampling, routing)
+        else:
+            outputs = self.engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True, **routing)
         results = []
-        for out in outputs:
-            logprobs = [logprob for logprob, _, _ in out["meta_info"]["output_token_logprobs"]]
-            no_sets = torch.zeros(0, dtype=torch.int32)
-            results.append((out["output_ids"], torch.tensor(logprobs), no_sets, no_sets))
+        for i, out in enumerate(outputs):
+            meta = out["meta_info"]
+            kept_ids = kept_sizes = torch.zeros(0, dtype=torch.int32)
+            if "output_token_sampling_mask" in meta:
+                kept = meta["output_token_sampling_mask"]  # per output token, the stop's too: the ids it was drawn from
+                kept_ids = torch.tensor(list(itertools.chain.from_iterable(kept)), dtype=torch.int32)
+                kept_sizes = torch.tensor([len(row) for row in kept], dtype=torch.int32)
+                logprobs = meta["output_token_sampling_logprobs"]  # log p less the kept set's log mass
+            else:
+                logprobs = [logprob for logprob, _, _ in meta["output_token_logprobs"]]
+            experts = torch.zeros(0, dtype=torch.uint8)
+            if routing_from is not None:
+                experts = routed_experts(meta["routed_experts"], self.model_config)[
+                    routing_from[i] - min(routing_from) :
+                ]
+            results.append(
+                (out["output_ids"], torch.tensor(logprobs, dtype=torch.float32), kept_ids, kept_sizes, experts)
+            )
         return results
 
-    def generate_truncated(self, prompts, sampling):
+    def generate_truncated(self, prompts, sampling, routing):
         """Top-p / top-k sampling with each token's kept set, and its log-prob renormalised over that set, as SGLang
         reports them (return_sampling_mask). Engine.generate has no keyword for it: the request is sent as it sends
         its own. A kept set must be at most --sampling-mask-max-tokens (4096), which train.MAX_KEPT keeps it under."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        request = GenerateReqInput(input_ids=prompts, sampling_params=sampling, return_sampling_mask=True)
+        request = GenerateReqInput(input_ids=prompts, sampling_params=sampling, return_sampling_mask=True, **routing)
         replies = self.engine.tokenizer_manager.generate_request(request, None)
-        results = []
-        for out in self.engine.loop.run_until_complete(replies.__anext__()):
-            meta = out["meta_info"]
-            kept = meta["output_token_sampling_mask"]  # per output token, the stop token too: the ids it was drawn from
-            kept_ids = torch.tensor(list(itertools.chain.from_iterable(kept)), dtype=torch.int32)
-            kept_sizes = torch.tensor([len(row) for row in kept], dtype=torch.int32)
-            logprobs = torch.tensor(meta["output_token_sampling_logprobs"], dtype=torch.float32)  # log p / kept mass
-            results.append((out["output_ids"], logprobs, kept_ids, kept_sizes))
-        return results
+        return self.engine.loop.run_until_complete(replies.__anext__())
 
     def release_memory(self):
         self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
@@ -267,6 +304,16 @@ class SGLangEngine(SGLangPeer):
 
     def shutdown(self):
         self.engine.shutdown()  # and its scheduler processes
+
+
+def routed_experts(encoded, config):
+    """SGLang's routed experts of a request (meta_info["routed_experts"]: int32 [positions, layers, k] in base64,
+    from its routed_experts_start_len to the last token but one) as the trainer keeps them."""
+    import pybase64
+
+    experts = np.frombuffer(pybase64.b64decode(encoded), dtype=np.int32)
+    experts = experts.reshape(-1, config.num_hidden_layers, config.num_experts_per_tok)
+    return torch.from_numpy(experts.copy()).to(architectures.routing_dtype(config))
 
 
 def check_engine_flags(cfg):

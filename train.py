@@ -24,7 +24,7 @@ import os
 import textwrap
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Literal
 
 import torch
@@ -111,6 +111,7 @@ class Config:
     max_tokens_per_microbatch: Natural = 0  # > 0: length-sorted micro-batches of at most this many padded tokens
     tp: Count = 1  # tensor-parallel size; dp = world size / tp
     router_aux_loss_coef: NonNegative = 0.0  # routed experts: weight of the load-balancing loss (TRL's: 0.001)
+    routing_replay: Literal["off", "measure", "on"] = "off"  # MoE: the engine reports its experts; on: trained on them
     activation_checkpointing: bool = False
     lora_rank: Natural = 0  # > 0: LoRA of this rank on every linear layer of the blocks, the rest frozen (docs/lora.md)
     lora_alpha: Positive = 32.0  # LoRA's update is scaled by alpha / rank (32: as "LoRA Without Regret")
@@ -225,6 +226,8 @@ class Sample:
     tool_outputs: list[str] = field(default_factory=list)  # what each run of its code printed (--tool python)
     # Per sampled token: the step whose policy sampled it (the engine's weights then), for --partial_rollouts.
     versions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
+    # --routing_replay: the experts [positions, layers, k] the engine's latest weights chose at each position but last.
+    routing: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.uint8))
     ended: bool = False  # a stop token sampled, or --max_new_tokens reached: generated to its end
     truncated: bool = False  # cut off by --max_new_tokens rather than ended by a stop token
     terms: dict = field(default_factory=dict)  # reward_fn's terms by name, when it returns a dict of them
@@ -260,6 +263,7 @@ def build_model(model_config, mesh, device, activation_checkpointing=False, lora
     architectures.check_tp(model.config, mesh["tp"].size())
     if mesh["tp"].size() > 1:
         architectures.parallelize(model, mesh["tp"])
+    architectures.replay_routing(model)  # --routing_replay: routers take the engine's experts when given them
     lora.add_lora(model, lora_rank, lora_alpha, mesh["tp"])
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -303,15 +307,18 @@ def generate_turn(engine, workers, tokenizer, samples, cfg, seed, temperature, b
         top_k = MAX_KEPT
     budgets = [min(budget, cfg.max_new_tokens - len(s.response_ids)) for s in samples]
     prompts = [s.prompt_ids + s.response_ids for s in samples]
-    outputs = engine.generate(prompts, budgets, temperature, cfg.top_p, top_k, stop_ids + fence_ids, seed)
+    # --routing_replay: the engine reports its experts at each sample's positions from the first not yet routed.
+    routing_from = [len(s.routing) for s in samples] if cfg.routing_replay != "off" else None
+    outputs = engine.generate(prompts, budgets, temperature, cfg.top_p, top_k, stop_ids + fence_ids, seed, routing_from)
     fenced = []
-    for s, asked, (ids, logprobs, kept_ids, kept_sizes) in zip(samples, budgets, outputs):
+    for s, asked, (ids, logprobs, kept_ids, kept_sizes, routing) in zip(samples, budgets, outputs):
         s.response_ids += ids
         s.sampled += [True] * len(ids)
         s.engine_logprobs = torch.cat([s.engine_logprobs, logprobs])
         s.versions = torch.cat([s.versions, torch.full((len(ids),), version, dtype=torch.int32)])
         s.kept_ids = torch.cat([s.kept_ids, kept_ids])
         s.kept_sizes = torch.cat([s.kept_sizes, kept_sizes])
+        s.routing = torch.cat([s.routing, routing])
         if ids and ids[-1] in fence_ids:
             fenced.append(s)
         else:
@@ -411,6 +418,8 @@ def partial_rollouts(engine, workers, dataset, tokenizer, in_flight, cfg, step, 
             prompt_ids = reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)
             in_flight.groups.append(Group(item, [Sample(prompt_ids) for _ in range(cfg.group_size)], step))
         in_flight.next_batch += 1
+    for s in in_flight.running():  # --routing_replay: the engine routes a response on new weights afresh
+        s.routing = s.routing[:0]
     for generation_round in itertools.count():  # a round at least: the batch just admitted starts
         seed = hash((cfg.seed, step, generation_round, dp_rank))
         running = in_flight.running()
@@ -479,6 +488,8 @@ def response_logprobs(model, samples, cfg, tp_mesh):
     # Right-padded, the padding masked.
     ids = torch.tensor([q + [0] * (longest - len(q)) for q in seqs], device=device)
     mask = torch.tensor([[1] * len(q) + [0] * (longest - len(q)) for q in seqs], device=device)
+    engine_routing = architectures.engine_routing(samples, longest, model.config)  # --routing_replay's, else None
+    model.replay = engine_routing if cfg.routing_replay == "on" else None  # its experts replayed by the forward
     out = model(
         input_ids=ids,
         attention_mask=mask,
@@ -498,7 +509,7 @@ def response_logprobs(model, samples, cfg, tp_mesh):
     logprobs = vocab_parallel.chunked_logprobs(
         hidden, weight, targets, kept, cfg.temperature, cfg.logprob_chunk, tp_mesh
     )
-    return *logprobs, architectures.routing(out, mask, model.config)
+    return *logprobs, architectures.routing(out, mask, model, engine_routing)
 
 
 @torch.no_grad()
@@ -514,7 +525,9 @@ def policy_logprobs(model, samples, cfg, par):
 
 
 def reference_logprobs(model, ref_model, samples, cfg, par):
-    """--beta's reference: the initial policy, kept apart; under LoRA the base model, the policy's adapters off."""
+    """--beta's reference: the initial policy, kept apart; under LoRA the base model, the policy's adapters off. It
+    routes its tokens itself, even with --routing_replay on: its log-probs are the reference model's (as slime's)."""
+    cfg = replace(cfg, routing_replay="off")
     if ref_model is None:
         with lora.adapters_off(model):
             return policy_logprobs(model, samples, cfg, par)
@@ -637,7 +650,7 @@ def train_on_rollouts(model, optimizer, samples, cfg, par, version=0):
     the step, whose policy sampled the fresh tokens (--partial_rollouts)."""
     token_sums = defaultdict(float)  # same keys, same order on every rank
     maxima = defaultdict(float)
-    expert_tokens = 0  # routed experts: each MoE layer's tokens per expert [layers, experts]
+    routing_counts = 0  # routed experts: each MoE layer's tokens per expert, and how many its engine routed otherwise
     device = model.device
     per_minibatch = len(samples) // cfg.num_minibatches
     for start in range(0, len(samples), per_minibatch):
@@ -645,7 +658,7 @@ def train_on_rollouts(model, optimizer, samples, cfg, par, version=0):
         set_loss_weights(minibatch, cfg, par.dp_group)
         batches = launch.micro_batches(minibatch, cfg, par.world_group)
         for batch in batches:
-            logp, entropy, log_kept_mass, (router_loss, tokens) = response_logprobs(model, batch, cfg, par.mesh["tp"])
+            logp, entropy, log_kept_mass, (router_loss, counts) = response_logprobs(model, batch, cfg, par.mesh["tp"])
             if batch[0].old_logprobs is None:  # the policy that sampled them: the ratio is 1
                 old_logp = logp.detach()
             else:
@@ -665,7 +678,7 @@ def train_on_rollouts(model, optimizer, samples, cfg, par, version=0):
             # The load-balancing loss, a micro-batch's share of the mini-batch's mean (FSDP averages over dp).
             loss = loss + cfg.router_aux_loss_coef * router_loss / len(batches)
             loss.backward()
-            expert_tokens = expert_tokens + tokens
+            routing_counts = routing_counts + counts
             if cfg.truncated_sampling:  # log p(K), what renormalising over the kept sets takes off log p
                 stats["log_kept_mass"] = log_kept_mass.detach().sum()
             for key, value in {**stats, **mismatch}.items():
@@ -676,7 +689,7 @@ def train_on_rollouts(model, optimizer, samples, cfg, par, version=0):
         optimizer.zero_grad(set_to_none=True)
         maxima["skipped_steps"] += not math.isfinite(grad_norm)  # the norm is global: equal on every rank
         maxima["grad_norm"] += grad_norm / cfg.num_minibatches
-    maxima.update(architectures.expert_load(expert_tokens, par))  # the busiest expert's tokens over the mean
+    maxima.update(architectures.expert_load(routing_counts, par))  # the busiest expert's load, the routing mismatch
     return token_sums, maxima
 
 
@@ -820,7 +833,8 @@ def evaluate(engine, tokenizer, test_set, workers, cfg, par):
     dp = par.mesh["dp"].size()
     items = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
 
-    generate = functools.partial(generate_rollouts, engine, workers, tokenizer, items, cfg, cfg.seed)
+    unrouted = replace(cfg, routing_replay="off")  # nothing trains on these responses: no routing to ask for
+    generate = functools.partial(generate_rollouts, engine, workers, tokenizer, items, unrouted, cfg.seed)
 
     def rollouts(n, temperature):  # a rank without items (more ranks than prompts) has none
         return launch.on_first_rank(par.tp_group, generate, temperature, n)[0]
@@ -842,8 +856,7 @@ def evaluate(engine, tokenizer, test_set, workers, cfg, par):
         f"eval_mean@{cfg.eval_k}": totals["mean_at_k"] / n,
         f"eval_pass@{cfg.eval_k}": totals["pass_at_k"] / n,
     }
-    for name in test_set.reward_terms:
-        metrics[f"eval_reward/{name}"] = totals[f"eval_reward/{name}"] / n
+    metrics |= {key: total / n for key, total in totals.items() if key.startswith("eval_reward/")}
     return dict(metrics, eval_prompts=n)
 
 
@@ -871,12 +884,10 @@ def main():
     resumed_from, start_step, wandb_id = launch.on_first_rank(
         par.world_group, checkpoint.find_resume, cfg, model_config
     )
-    # The run folder, once every check passed: a run refused leaves it as it was.
-    run_id = launch.on_first_rank(par.world_group, checkpoint.open_run_dir, cfg, start_step, wandb_id)
+    # The run folder, once every check passed: a run refused leaves it as it was. Notes on the flags said with them.
+    notes = flags.start_notes(cfg, terms)
+    run_id = launch.on_first_rank(par.world_group, checkpoint.open_run_dir, cfg, start_step, wandb_id, notes)
     checkpoint.check_every_rank_sees(cfg.out_dir, run_id, par.world_group)
-    if rank == 0:
-        for note in flags.start_notes(cfg, terms):
-            print(textwrap.fill(note, 120, subsequent_indent="  "), flush=True)
     wandb_run = None
     if rank == 0 and cfg.wandb_project:
         import wandb
@@ -931,9 +942,7 @@ def main():
             rollout_done = time.perf_counter()
             # Log-probs before the update. The first mini-batch is trained on the policy that sampled it, whose
             # log-probs its own forward gives; --kl_in_reward needs them all first.
-            first_stored = len(samples) // cfg.num_minibatches
-            if cfg.kl_in_reward:
-                first_stored = 0
+            first_stored = 0 if cfg.kl_in_reward else len(samples) // cfg.num_minibatches
             stored = samples[first_stored:]
             for sample, logprobs in zip(stored, policy_logprobs(model, stored, cfg, par)):
                 sample.old_logprobs = logprobs

@@ -51,7 +51,7 @@ def held_out_greedy_accuracy(folder, cfg):
     """Greedy accuracy on the first --eval_prompts held-out prompts, as train.py's evaluation scores them."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
     engine = engines.HFEngine(AutoConfig.from_pretrained(folder), torch.device("cpu"))
-    engine.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine.model.load_state_dict(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict())
     test_set = train.PromptDataset(cfg, "test")
     items = [test_set[i] for i in range(cfg.eval_prompts)]
     prompts = [reward.encode_prompt(tokenizer, item["prompt"]) for item in items]

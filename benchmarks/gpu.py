@@ -271,8 +271,8 @@ def empty_cache():
 def ignoring_stops(engine):
     """The engine with stop ids dropped: every response runs to its budget, as in the direct call."""
     generate = engine.generate
-    engine.generate = lambda prompts, budgets, temperature, top_p, top_k, stop_ids, seed: generate(
-        prompts, budgets, temperature, top_p, top_k, [], seed
+    engine.generate = lambda prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None: generate(
+        prompts, budgets, temperature, top_p, top_k, [], seed, routing_from
     )
     return engine
 

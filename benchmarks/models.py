@@ -12,10 +12,11 @@ The models (random weights, hidden 256, 4 layers, 8 heads of 32, a vocabulary of
 - moe: Qwen3-MoE, attention with 8 routed experts of a quarter of the MLP, top 2 (the same active weights);
 - gdn_moe: Qwen3.5-MoE's layers, both.
 Prints seconds per pass (the median of --repeats, after a warm-up) and the ratios: each architecture over attention
-at the same layout, and tp 2 over tp 1 for each. Then the routed experts alone (a layer of 8 experts of 128, top 2,
-over 2,048 tokens, forward and backward) split over tp 2 the two ways: by expert (the trainer's,
-architectures.experts_by_rank) and inside each expert (each rank a slice of every expert's gate, up and down rows,
-as SGLang splits them). CPU figures: gloo's collectives and a 2-core machine, not a GPU's.
+at the same layout, and tp 2 over tp 1 for each; the MoE models' pass again with --routing_replay on. Then the
+routed experts alone (a layer of 8 experts of 128, top 2, over 2,048 tokens, forward and backward) split over tp 2
+the two ways: by expert (the trainer's, architectures.experts_by_rank) and inside each expert (each rank a slice of
+every expert's gate, up and down rows, as SGLang splits them). CPU figures: gloo's collectives and a 2-core machine,
+not a GPU's.
 """
 
 import argparse
@@ -48,8 +49,9 @@ ARCHITECTURES = {
 }
 
 
-def training_pass(rank, world, name, tp, tokens, repeats):
-    """Seconds of each train_on_rollouts call on 8 samples of `tokens` tokens (half prompt), after a warm-up."""
+def training_pass(rank, world, name, tp, tokens, repeats, replay=False):
+    """Seconds of each train_on_rollouts call on 8 samples of `tokens` tokens (half prompt), after a warm-up; with
+    `replay`, --routing_replay on, each sample carrying an engine's routing (random experts at every position)."""
     torch.manual_seed(0)
     config_class, fields = ARCHITECTURES[name]
     config = architectures.text_config(config_class(**SHAPE, **fields))
@@ -66,7 +68,10 @@ def training_pass(rank, world, name, tp, tokens, repeats):
         half = tokens // 2
         samples.append(train.Sample(ids[:half], ids[half:], [True] * (tokens - half), torch.zeros(tokens - half)))
         samples[-1].advantage = float(torch.randn(1, generator=g))
-    cfg = train.Config(micro_batch_size=8)
+        if replay:
+            scores = torch.rand(tokens - 1, config.num_hidden_layers, config.num_experts, generator=g)
+            samples[-1].routing = scores.argsort(-1)[..., : config.num_experts_per_tok].to(torch.uint8)
+    cfg = train.Config(micro_batch_size=8, routing_replay="on" if replay else "off")
     seconds = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
@@ -135,6 +140,11 @@ def main():
         one, two = seconds[name, 1], seconds[name, 2]
         attention = seconds["attention", 1], seconds["attention", 2]
         print(f"{name:10} {one:8.3f} {two:8.3f} {two / one:8.2f} {one / attention[0]:10.2f} {two / attention[1]:10.2f}")
+    print("\n--routing_replay on, the same pass, seconds, and over the pass without it:")
+    for name in ("moe", "gdn_moe"):
+        for tp in (1, 2):
+            replayed = run_ranks(training_pass, 2, name, tp, args.tokens, args.repeats, True, timeout=1800)[0]
+            print(f"{name:10} tp{tp} {replayed:8.3f} {replayed / seconds[name, tp]:6.2f}")
     split = {way: run_ranks(experts_split, 2, way, args.repeats)[0] for way in ("by_expert", "inside_expert")}
     print("\nrouted experts at tp 2, one layer's forward and backward, seconds:")
     for way, value in split.items():

@@ -42,7 +42,7 @@ def length_distribution(folder, job, prompts):
     cfg = train.Config(model=folder, **job)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     engine = engines.HFEngine(AutoConfig.from_pretrained(folder), torch.device("cpu"))
-    engine.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine.model.load_state_dict(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict())
     items = train.step_items(train.PromptDataset(cfg, "train"), 0, cfg, 0, 1)[:prompts]
     ids = [reward.encode_prompt(tokenizer, item["prompt"]) for item in items for _ in range(cfg.group_size)]
     budgets = [cfg.max_new_tokens] * len(ids)

@@ -14,6 +14,8 @@ import signal
 import socket
 from collections import namedtuple
 
+import numpy as np
+import pybase64
 import torch
 from sglang.srt.utils import MultiprocessingSerializer, kill_process_tree
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
@@ -43,6 +45,7 @@ SERVER_ARGS = {
     "enable_deterministic_inference",
     "custom_sigquit_handler",
     "enable_fp32_lm_head",
+    "enable_return_routed_experts",
 }
 SAMPLING_PARAMS = {
     "max_new_tokens",
@@ -95,10 +98,20 @@ class Engine:
         self.loop = asyncio.new_event_loop()  # Engine.generate runs the tokenizer manager's coroutines on it
         self.tokenizer_manager = self  # its generate_request, here the engine's own
 
-    def generate(self, input_ids=None, sampling_params=None, return_logprob=False, **unused):
+    def generate(
+        self,
+        input_ids=None,
+        sampling_params=None,
+        return_logprob=False,
+        return_routed_experts=False,
+        routed_experts_start_len=0,
+        **unused,
+    ):
         """Prompt i: i % 3 == 0 stops after two tokens; 1 runs to max_new_tokens; 2 samples a stop token exactly at
         the limit, which 0.5.17 reports as finish_reason "length". With no stop token ids (the config names no EOS)
-        or ignore_eos, every prompt runs to max_new_tokens."""
+        or ignore_eos, every prompt runs to max_new_tokens. With return_routed_experts (the engine started with
+        enable_return_routed_experts), meta_info["routed_experts"] as sglang 0.5.23 gives it: int32 [positions,
+        layers, top k] in base64, from routed_experts_start_len to the last token but one (ROUTED below names them)."""
         assert not self.offload_tags, f"generate with released memory {self.offload_tags}: garbage or a crash"
         assert all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in input_ids)
         per_request = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(input_ids)
@@ -129,6 +142,11 @@ class Engine:
             }
             if return_logprob:
                 meta["output_token_logprobs"] = [(-0.01 * (i + 1) - 0.001 * j, t, None) for j, t in enumerate(ids)]
+            if return_routed_experts:
+                assert self.kwargs.get("enable_return_routed_experts"), "sglang returns no routing it did not capture"
+                assert 0 <= routed_experts_start_len <= len(input_ids[i])
+                positions = range(routed_experts_start_len, len(input_ids[i]) + len(ids) - 1)
+                meta["routed_experts"] = routed_experts(i, positions, self.model_config)
             outputs.append({"output_ids": ids, "meta_info": meta})
         return outputs
 
@@ -140,7 +158,10 @@ class Engine:
         for params in obj.sampling_params:  # as sglang's scheduler: a mask needs a finite top_k, at most 4096
             if not 1 <= params.get("top_k", -1) <= 4096:
                 raise ValueError(f"return_sampling_mask requires finite 1 < top_k <= 4096; got {params}")
-        outputs = self.generate(input_ids=obj.input_ids, sampling_params=obj.sampling_params)
+        routing = dict(
+            return_routed_experts=obj.return_routed_experts, routed_experts_start_len=obj.routed_experts_start_len
+        )
+        outputs = self.generate(input_ids=obj.input_ids, sampling_params=obj.sampling_params, **routing)
         for out in outputs:
             ids = out["output_ids"]
             out["meta_info"]["output_token_sampling_mask"] = [[t, t - 1] for t in ids]
@@ -213,3 +234,19 @@ class FailingEngine(Engine):
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         self.calls.append(("update", len(named_tensors), load_format, flush_cache))
         return False, "boom"
+
+
+def ROUTED(request, position, layer, choice, experts):
+    """The expert the fake engine reports for a request's position, layer and top-k choice."""
+    return (7 * request + 5 * position + 3 * layer + choice) % experts
+
+
+def routed_experts(request, positions, config):
+    """meta_info["routed_experts"] of a request: ROUTED's experts at `positions`, int32 [positions, layers, k], base64
+    (sglang/srt/state_capturer/routed_experts.py reads it back with np.frombuffer)."""
+    experts = config.get("num_experts") or config["num_local_experts"]  # the hub's name, or transformers 5's
+    layers, top_k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    grid = [
+        [[ROUTED(request, p, layer, c, experts) for c in range(top_k)] for layer in range(layers)] for p in positions
+    ]
+    return pybase64.b64encode(np.array(grid, dtype=np.int32).reshape(-1).tobytes()).decode()

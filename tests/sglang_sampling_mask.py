@@ -185,8 +185,8 @@ def main(out_path):
                 top_p=top_p,
                 top_k=top_k,
                 logits=scheduler.logits[-1],
-                outputs=[(ids, lp.tolist(), kept.tolist(), sizes.tolist()) for ids, lp, kept, sizes in outputs],
-                dtypes=[(str(lp.dtype), str(kept.dtype), str(sizes.dtype)) for _, lp, kept, sizes in outputs],
+                outputs=[(ids, lp.tolist(), kept.tolist(), sizes.tolist()) for ids, lp, kept, sizes, _ in outputs],
+                dtypes=[(str(lp.dtype), str(kept.dtype), str(sizes.dtype)) for _, lp, kept, sizes, _ in outputs],
             )
         )
     with open(out_path, "w") as f:

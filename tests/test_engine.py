@@ -97,7 +97,7 @@ def test_engine_reports_the_kept_set_of_each_token_and_logprobs_renormalised_ove
     engine, model = tiny_engine()
     outputs = engine.generate(PROMPTS * 4, [10] * 12, temperature, top_p, top_k, STOP, seed=1)
     sizes = []
-    for prompt, (ids, logprobs, kept_ids, kept_sizes) in zip(PROMPTS * 4, outputs):
+    for prompt, (ids, logprobs, kept_ids, kept_sizes, _) in zip(PROMPTS * 4, outputs):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].double()
         sets = kept_ids.split(kept_sizes.tolist())

@@ -9,6 +9,8 @@ run_ranks."""
 
 import os
 import socket
+import sys
+import types
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ import fake_sglang_engine  # noqa: E402
 import launch  # noqa: E402
 import train  # noqa: E402
 from demo_model import demo_config  # noqa: E402
+from hub_models import text_config  # noqa: E402
 from sglang_cpu_engine import trainer_model  # noqa: E402
 from test_parallel import save_reference, tiny_config  # noqa: E402
 from workers import run_ranks  # noqa: E402
@@ -318,7 +321,7 @@ def test_generate_keeps_ids_exactly_with_the_stop_token(sglang):
     assert params == [{"temperature": 0.7, "top_p": 1.0, "max_new_tokens": limit, "stop_token_ids": stop}] * n
     raw = fake.generate(input_ids=prompts, sampling_params=params, return_logprob=True)  # deterministic
     assert len(outputs) == len(prompts)
-    for (ids, logprobs, kept_ids, kept_sizes), o in zip(outputs, raw):
+    for (ids, logprobs, kept_ids, kept_sizes, _), o in zip(outputs, raw):
         assert ids == o["output_ids"]  # the stop token stays in
         engine_logprobs = [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
         assert torch.equal(logprobs, torch.tensor(engine_logprobs))
@@ -334,6 +337,75 @@ def test_greedy_decoding_with_top_k_asks_for_no_kept_sets(sglang):
     engine.generate([[5, 6, 7]], [4], 0.0, 1.0, 20, [3], seed=0)
     [(_, _, params)] = fake.calls
     assert params == [{"temperature": 0.0, "top_p": 1.0, "top_k": 20, "max_new_tokens": 4, "stop_token_ids": [3]}]
+
+
+def generate_with_routing(rank, world, out_dir, top_p, routing_replay):
+    """SGLangEngine.generate on the fake with --routing_replay, the hub's Qwen3-MoE config, routing_from per prompt;
+    the engine's start-up arguments and the outputs. In a rank of its own: top_p < 1 sends sglang's io_struct
+    request, whose import needs tests/sglang_cpu_stubs' torchvision, kept out of the test process."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu_stubs"))
+    import sglang
+
+    sglang.Engine = fake_sglang_engine.SessionEngine
+    cfg = train.Config(engine="sglang", routing_replay=routing_replay, out_dir=out_dir)
+    engine = start_on_one_rank(cfg, text_config("qwen3_moe"))
+    outputs = None
+    if routing_replay != "off":
+        top_k = 0 if top_p == 1 else 50  # sglang's sampling masks want a top_k, as train.generate_turn gives them
+        outputs = engine.generate(PROMPTS, [4, 4, 4], 1.0, top_p, top_k, [3], seed=0, routing_from=ROUTING_FROM)
+    engine.engine.port.close()
+    return engine.engine.kwargs, outputs
+
+
+PROMPTS, ROUTING_FROM = [[5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15, 16, 17]], [2, 4, 1]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])  # Engine.generate, and the request that asks for sampling masks
+def test_routing_replay_gets_each_prompts_experts_from_sglang_from_its_own_first_position(top_p, tmp_path):
+    """--routing_replay: the engine starts with SGLang's capturer of routed experts; a batch asks for them from the
+    least of its prompts' routing_from (sglang takes one start per request), and each prompt keeps its own positions,
+    from its routing_from to its last token but one, decoded from base64 int32 as the experts SGLang chose there."""
+    kwargs, outputs = run_ranks(generate_with_routing, 1, str(tmp_path), top_p, "measure")[0]
+    assert kwargs["enable_return_routed_experts"] is True
+    experts = text_config("qwen3_moe").num_experts
+    for i, (prompt, start, (ids, *_, routing)) in enumerate(zip(PROMPTS, ROUTING_FROM, outputs)):
+        assert routing.dtype == torch.uint8
+        expected = [
+            [[fake_sglang_engine.ROUTED(i, p, layer, c, experts) for c in range(2)] for layer in range(2)]
+            for p in range(start, len(prompt) + len(ids) - 1)
+        ]
+        assert routing.tolist() == expected
+    kwargs, _ = run_ranks(generate_with_routing, 1, str(tmp_path), top_p, "off")[0]
+    assert "enable_return_routed_experts" not in kwargs
+
+
+def routing_through_sglangs_own_code(rank, world, starts):
+    """Per start: the routed experts sglang's capturer takes out of its host buffer for a request of 9 tokens
+    (BaseTopkCapturer.get_topk, the sequence's KV slots scattered), encoded as its detokenizer sends them and
+    decoded by engines.routed_experts; with the buffer's rows of the request's positions. In a rank of its own, the
+    stubs' torchvision kept out of the test process."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu_stubs"))
+    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+    from sglang.srt.state_capturer.base import BaseTopkCapturer
+
+    config = text_config("qwen3_moe")
+    slots = torch.randperm(32, generator=torch.Generator().manual_seed(0))[:9]  # the request's tokens' KV slots
+    buffer = torch.randint(0, config.num_experts, (32, config.num_hidden_layers, config.num_experts_per_tok))
+    capturer = BaseTopkCapturer.__new__(BaseTopkCapturer)  # its host buffer alone: no device, no model
+    capturer.host_cache = types.SimpleNamespace(buffer=buffer.int())
+    pool = types.SimpleNamespace(req_to_token=torch.stack([torch.zeros(9, dtype=torch.long), slots]))
+    results = []
+    for start in starts:
+        [encoded] = DetokenizerManager._b64_encode_per_request([capturer.get_topk(1, 9, pool, start)])
+        results.append((engines.routed_experts(encoded, config), buffer[slots]))
+    return results
+
+
+def test_routed_experts_are_decoded_as_sglang_slices_and_encodes_them():
+    """sglang 0.5.23's own code: a request's experts from routed_experts_start_len to its last token but one, in the
+    order of its positions, come back exactly, as the trainer's uint8."""
+    for start, (decoded, rows) in zip([0, 3, 8], run_ranks(routing_through_sglangs_own_code, 1, [0, 3, 8])[0]):
+        assert decoded.dtype == torch.uint8 and torch.equal(decoded.long(), rows[start:8])
 
 
 def start_on_a_tp_group_of_two(rank, world, out_dir):

@@ -48,7 +48,7 @@ def rollout(engine, cfg, prompts):
     budgets = [cfg.max_new_tokens] * len(prompts)
     outputs = engine.generate(prompts, budgets, cfg.temperature, cfg.top_p, cfg.top_k, [2], seed=0)
     samples = []
-    for prompt, (ids, logprobs, kept_ids, kept_sizes) in zip(prompts, outputs):
+    for prompt, (ids, logprobs, kept_ids, kept_sizes, _) in zip(prompts, outputs):
         sample = train.Sample(prompt, response_ids=ids, sampled=[True] * len(ids), engine_logprobs=logprobs)
         sample.kept_ids, sample.kept_sizes = kept_ids, kept_sizes
         samples.append(sample)

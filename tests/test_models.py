@@ -304,17 +304,18 @@ def expert_load(model, samples, config):
 @pytest.mark.parametrize("model", ["tiny-qwen3.5-moe", "tiny-qwen3-next"])
 def test_every_feature_runs_on_the_gated_deltanet_moe_models_at_tp_2(model, tmp_path):
     """Partial rollouts (responses carried over pushes, their older tokens corrected), truncated sampling, CISPO off
-    policy (two mini-batches), the KL to a reference model, the load-balancing loss and evaluation, together, on a
-    Gated DeltaNet MoE model at tp 2: the run completes, the engine's log-probs of the fresh tokens equal the
-    trainer's, the kept mass and the experts' load are logged."""
+    policy (two mini-batches), the KL to a reference model, the load-balancing loss, routing replay and evaluation,
+    together, on a Gated DeltaNet MoE model at tp 2: the run completes, the engine's log-probs of the fresh tokens
+    equal the trainer's, the kept mass, the experts' load and the routing mismatch are logged."""
     flags = ("--preset", "cpu", "--model", model, "--tp", "2", "--steps", "4", "--eval_every", "2")
     flags += ("--partial_rollouts", "true", "--tis_cap", "2", "--round_tokens", "6", "--top_p", "0.9")
     flags += ("--objective", "cispo", "--num_minibatches", "2", "--beta", "0.05", "--router_aux_loss_coef", "0.01")
-    run = torchrun(2, *flags, "--sample_every", "0", "--out_dir", str(tmp_path))
+    run = torchrun(2, *flags, "--routing_replay", "on", "--sample_every", "0", "--out_dir", str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["mismatch_abs"] < 1e-4 and r["log_kept_mass"] < 0 and r["expert_load_max"] >= 1 for r in rows)
+    assert all(0 <= r["routing_mismatch"] <= 1 for r in rows)
     assert any(r["staleness_max"] >= 1 for r in rows) and rows[-1]["kl"] > 0
     assert "eval_greedy_acc" in rows[1] and "eval_greedy_acc" in rows[3]
 

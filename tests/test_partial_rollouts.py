@@ -33,7 +33,7 @@ class LongTailEngine(engines.Engine):
         self.prompt_lengths = prompt_lengths  # a response starts after its prompt's tokens
         self.calls = []
 
-    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed):
+    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None):
         self.calls.append(len(prompts))
         rng = random.Random(seed)
         outputs = []
@@ -45,7 +45,8 @@ class LongTailEngine(engines.Engine):
                 length = rng.choice([2, 3, 4, 5, 6, 8, 10, 12] * 2 + [300])
             whole = [3 + length] + [self.filler] * (length - 2) + [stop_ids[0]]
             new = whole[len(response) : len(response) + budget]
-            outputs.append((new, torch.zeros(len(new)), torch.zeros(0, dtype=torch.int32), torch.zeros(0)))
+            no_sets = torch.zeros(0, dtype=torch.int32)
+            outputs.append((new, torch.zeros(len(new)), no_sets, no_sets, torch.zeros(0, dtype=torch.uint8)))
         return outputs
 
 

@@ -46,7 +46,7 @@ class ScriptedEngine(engines.Engine):
         self.done = dict.fromkeys(self.scripts, 0)  # sampled tokens given out so far, per prompt
         self.calls = []
 
-    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed):
+    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None):
         self.calls.append({"prompts": [list(p) for p in prompts], "budgets": list(budgets), "stop_ids": stop_ids})
         outputs = []
         for ids, budget in zip(prompts, budgets):
@@ -61,7 +61,7 @@ class ScriptedEngine(engines.Engine):
             if top_p < 1 or top_k > 0:
                 kept_ids = torch.tensor([i for t in rest[:end] for i in (t, t + 1)], dtype=torch.int32)
                 kept_sizes = torch.full((end,), 2, dtype=torch.int32)
-            outputs.append((rest[:end], logprobs, kept_ids, kept_sizes))
+            outputs.append((rest[:end], logprobs, kept_ids, kept_sizes, torch.zeros(0, dtype=torch.uint8)))
         return outputs
 
 
