@@ -250,12 +250,12 @@ def recorded(model, layer, router, args, out):
 def replay_routing(model):
     """Forward hooks on each router of `model` that, while model.replay is set ([tokens of the forward, layers, k]
     of an engine's choices; -1 where it has none), route each token to the experts it names, weighted by the
-    router's own softmax gathered at them and renormalised where the config says (rollout routing replay): the
+    router's own softmax gathered at them and renormalised where the router does (rollout routing replay): the
     router keeps its gradient. The hooks stay for backward, whose recomputation (activation checkpointing) replays
     alike."""
     model.replay = None
-    renormalise = getattr(model.config, "norm_topk_prob", True)  # Qwen3.5-MoE's router always renormalises
     for i, router in routers(model).items():
+        renormalise = getattr(router, "norm_topk_prob", True)  # Qwen3.5-MoE's router always renormalises
         router.register_forward_hook(functools.partial(replayed, model, i, renormalise))
 
 

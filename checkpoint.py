@@ -544,7 +544,7 @@ def resume(path, model, optimizer, cfg, world_group):
 
 # The flags that make what is in flight: another value at a resume, and its responses would not fit the run.
 IN_FLIGHT_FLAGS = ("task", "data_path", "seed", "prompts_per_step", "group_size", "max_new_tokens", "temperature")
-IN_FLIGHT_FLAGS += ("top_p", "top_k", "tool", "max_turns", "plain_template")
+IN_FLIGHT_FLAGS += ("top_p", "top_k", "tool", "max_turns", "plain_template", "routing_replay")
 
 
 def save_in_flight(state, file, tp, world_group):

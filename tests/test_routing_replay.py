@@ -6,13 +6,18 @@ equal to the engine's, and routing_mismatch counting where they would differ; a 
 unsharded one; and through torchrun, learning at tp 2 with partial rollouts and an exact resume with routings in
 flight."""
 
+import contextlib
+import io
+import json
 from collections import defaultdict
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import architectures
+import checkpoint
 import engines
 import launch
 import reward
@@ -83,6 +88,8 @@ def test_replay_routes_to_the_engines_experts_weighted_by_the_routers_softmax_th
     (float64 from the router's input and weight). Given the router's own choices, the logits and every gradient are
     transformers' unreplayed ones; given others, the router still gets a gradient through the weights."""
     model = text_model(hub_folders[architecture])
+    if architecture == "qwen3_5_moe":  # a config may say so; Qwen3.5-MoE's router renormalises all the same
+        model.config.norm_topk_prob = False
     architectures.replay_routing(model)
     config = model.config
     generator = torch.Generator().manual_seed(0)
@@ -332,6 +339,29 @@ def test_a_resume_with_routings_in_flight_goes_on_as_the_run_would_have(hub_fold
     assert logged(split) == logged(straight)
     a, b = hf_weights(straight, 4), hf_weights(split, 4)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def in_flight_resumed(rank, world, path, routing_replay):
+    """checkpoint.load_in_flight of `path` by a run with --routing_replay `routing_replay`, and what it printed."""
+    cfg = train.Config(partial_rollouts=True, tis_cap=2.0, routing_replay=routing_replay)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        state = checkpoint.load_in_flight(path, cfg, dist.group.WORLD)
+    return state, printed.getvalue()
+
+
+@pytest.mark.parametrize("now", ["off", "measure"])
+def test_a_resume_with_another_routing_replay_drops_the_responses_in_flight_naming_the_flag(now, tmp_path):
+    """Responses in flight saved with --routing_replay on carry routings a run that measures or does not replay would
+    use otherwise (and saved with it off they carry none to replay): a resume with another value drops them, said
+    once, as for another flag that made them; with the same value it takes them back."""
+    saved = dict(vars(train.Config(partial_rollouts=True, tis_cap=2.0, routing_replay="on")))
+    (tmp_path / "trainer_state.json").write_text(json.dumps(dict(config=saved)))
+    state = dict(groups=[], next_batch=3)
+    torch.save([state], tmp_path / "in_flight.pt")
+    assert run_ranks(in_flight_resumed, 1, str(tmp_path), "on")[0] == (state, "")
+    dropped, printed = run_ranks(in_flight_resumed, 1, str(tmp_path), now)[0]
+    assert dropped is None and "--routing_replay" in printed and "dropped" in printed
 
 
 def test_routing_replay_on_a_dense_model_is_refused_naming_the_flag(tmp_path):
