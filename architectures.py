@@ -263,7 +263,7 @@ def replayed(model, layer, renormalise, router, args, out):
     if model.replay is None:
         return None
     logits, weights, own = out
-    given = model.replay[:, layer].to(own.device, torch.long)  # [tokens, k]
+    given = model.replay[:, layer].long()  # [tokens, k]
     chosen = torch.where((given >= 0).all(-1, keepdim=True), given, own)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, chosen)
     if renormalise:
@@ -276,18 +276,18 @@ def routing_dtype(config):
     return torch.uint8 if config.num_experts <= 256 else torch.int16
 
 
-def engine_routing(samples, longest, config):
+def engine_routing(samples, longest, config, device):
     """The samples' routings as the engine gave them (Sample.routing: its experts for every position it ran, each
-    token's but the last) as one tensor [samples x longest, layers, k] in the forward's order, right-padded; -1 where
-    a position has none (the last token, padding, a tool's output after the last engine call). None where the
-    engine reported none (--routing_replay off)."""
+    token's but the last) as one tensor [samples x longest, layers, k] on `device`, in the forward's order,
+    right-padded; -1 where a position has none (the last token, padding, a tool's output after the last engine
+    call). None where the engine reported none (--routing_replay off): moved once, then read by every MoE layer."""
     if not any(len(s.routing) for s in samples):
         return None
     layers, top_k = config.num_hidden_layers, config.num_experts_per_tok
     replay = torch.full((len(samples), longest, layers, top_k), -1, dtype=torch.int16)
     for b, s in enumerate(samples):
         replay[b, : len(s.routing)] = s.routing
-    return replay.view(-1, layers, top_k)
+    return replay.view(-1, layers, top_k).to(device)
 
 
 def routing(out, mask, model, engine=None):
@@ -305,7 +305,7 @@ def routing(out, mask, model, engine=None):
         tokens = torch.bincount(own[kept].reshape(-1), minlength=config.num_experts).float()
         pairs = tokens.new_zeros(2)  # mismatched, compared
         if engine is not None:
-            given = engine[:, layer].to(own.device, torch.long)
+            given = engine[:, layer].long()
             compared = kept & (given >= 0).all(-1)
             differ = (own.sort(-1).values != given.sort(-1).values).any(-1)
             pairs = torch.stack([(differ & compared).sum(), compared.sum()]).float()

@@ -112,6 +112,7 @@ class HFEngine(Engine):
         # What was sampled from: logits / temperature, -inf where top_k or top_p removed a token.
         scores = torch.stack(out.scores, 1).float()  # [N, T, V]
         truncated = sampling.get("top_p", 1.0) < 1 or sampling.get("top_k", 0) > 0  # greedy: nothing in `sampling`
+        routed = self.routed_positions(len(prompts)) if routing_from is not None else None
         results = []
         for b, (seq, budget, seq_scores) in enumerate(zip(out.sequences[:, longest:].tolist(), budgets, scores)):
             seq = seq[:budget]  # a budget below the batch's longest
@@ -127,21 +128,23 @@ class HFEngine(Engine):
                 kept_ids = kept.nonzero()[:, 1].int().cpu()  # row by row, each row's ids
                 kept_sizes = kept.sum(1, dtype=torch.int32).cpu()
             routing = torch.zeros(0, dtype=torch.uint8)
-            if routing_from is not None:  # from routing_from[b] to the last position that produced a kept token
-                end = len(prompts[b]) + len(seq) - 1
-                routing = self.routed_positions(b, len(prompts), longest - len(prompts[b]), end)[routing_from[b] :]
+            if routed is not None:  # from routing_from[b] to the last position that produced a kept token
+                start = longest - len(prompts[b]) + routing_from[b]  # past the row's left padding
+                routing = routed[b, start : longest + len(seq) - 1]
             results.append((seq, logprobs, kept_ids, kept_sizes, routing))
         return results
 
-    def routed_positions(self, row, rows, padding, end):
-        """Batch row `row`'s (of `rows`) routers' choices at its positions 0 to end - 1 [positions, layers, k], from
-        this batch's forwards: the prefill's (left-padded by `padding`), then one position a decoding step."""
+    def routed_positions(self, rows):
+        """The routers' choices [rows, positions, layers, k] of this batch's forwards, at every position they ran:
+        the left-padded prefill's, then one a decoding step (0 in a layer without routed experts)."""
         config = self.model.config
-        routing = torch.zeros(end, config.num_hidden_layers, config.num_experts_per_tok, dtype=torch.long)
+        routing = None
         for layer, (prefill, *steps) in self.model.routed.items():  # [rows x longest, k], then [rows, k] a step
-            prompt = prefill.view(rows, -1, prefill.shape[-1])[row, padding:]
-            routing[:, layer] = torch.cat([prompt, *(step[row : row + 1] for step in steps)])[:end]
-        return routing.to(architectures.routing_dtype(config))
+            chosen = torch.cat([prefill.view(rows, -1, prefill.shape[-1]), *(step[:, None] for step in steps)], 1)
+            if routing is None:
+                routing = chosen.new_zeros(rows, chosen.shape[1], config.num_hidden_layers, chosen.shape[-1])
+            routing[:, :, layer] = chosen
+        return routing.cpu().to(architectures.routing_dtype(config))
 
 
 def start_engine(cfg, model_config, par, device):

@@ -488,7 +488,7 @@ def response_logprobs(model, samples, cfg, tp_mesh):
     # Right-padded, the padding masked.
     ids = torch.tensor([q + [0] * (longest - len(q)) for q in seqs], device=device)
     mask = torch.tensor([[1] * len(q) + [0] * (longest - len(q)) for q in seqs], device=device)
-    engine_routing = architectures.engine_routing(samples, longest, model.config)  # --routing_replay's, else None
+    engine_routing = architectures.engine_routing(samples, longest, model.config, device)  # --routing_replay's
     model.replay = engine_routing if cfg.routing_replay == "on" else None  # its experts replayed by the forward
     out = model(
         input_ids=ids,
