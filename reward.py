@@ -6,6 +6,7 @@ reads), and `reward_fn(completion, item, args)` scores one sampled completion ag
 a grader that takes the completion string plus the fields it needs and returns a float in [0, 1], then add a branch
 to each of the two. Its rows come from --data_path, or from a generator registered where it is defined
 (@generated("name")); its options, with their defaults, are its entry in TASK_ARGS (--task_args sets them).
+Reading the rows, the options and checking the items before any model loads is task_data.py's machinery.
 
 The contract: any string in, a float out (or a dict of named float terms, the same names for every completion and
 item, the empty completion included: the trainer sums them, weighted by --reward_weights, and logs each), never
@@ -19,14 +20,15 @@ both live in sandbox.py, machinery that a researcher does not edit. Of the tool,
 sees: the prompt that offers it and the format of its output.
 """
 
-import copy
 import functools
 import logging
 import operator
-import os
 import random
 import re
 from fractions import Fraction
+
+import task_data
+from task_data import generated
 
 # ----------------------------------------------------------------------------------------------------------------
 # the two places to edit: what a prompt says (PromptDataset.__getitem__), and how a completion scores (reward_fn)
@@ -42,12 +44,12 @@ class PromptDataset:
 
     def __init__(self, cfg, split):
         self.task = cfg.task
-        self.args = task_args(cfg.task, cfg.task_args)
+        self.args = task_data.task_args(cfg.task, cfg.task_args, TASK_ARGS)
         self.boxed_prompt = TOOL_PROMPT if cfg.tool else BOXED_PROMPT
-        self.rows = load_rows(self, split, cfg)
+        self.rows = task_data.load_rows(self, split, cfg)
         least = cfg.prompts_per_step if split == "train" else 1  # a step's prompts; an evaluation's
         # The names of reward_fn's terms, when it returns a dict of them (README: reward terms).
-        self.reward_terms = check_items(self, split, least, warn=FIRST_RANK, tool=cfg.tool, args=self.args)
+        self.reward_terms = task_data.check_items(self, split, reward_fn, least, tool=cfg.tool, args=self.args)
 
     def __len__(self):
         return len(self.rows)
@@ -89,25 +91,6 @@ def reward_fn(completion: str, item: dict, args: dict | None = None) -> float | 
     if task == "toy":
         return toy_reward(completion, item["target"])
     raise ValueError(f"unknown task {task!r}: add a branch for it to reward_fn in reward.py (README: your own task)")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# a generated task's data: its generator registers itself where it is defined
-
-GENERATED = {}  # task: (its generator, whether its test split is held out)
-
-
-def generated(task: str, held_out: bool = True):
-    """Makes the decorated function, (n, seed, args) -> n rows, --task `task`'s data when no --data_path is given. Its
-    first --test_size rows are the test split and the rest the train split, less the rows whose prompt the test split
-    asks too (load_rows), so that the splits are disjoint whatever it draws. held_out=False: the same prompts in both
-    splits (the toy task's one prompt)."""
-
-    def register(generator):
-        GENERATED[task] = (generator, held_out)
-        return generator
-
-    return register
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -342,162 +325,6 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
     if buffer <= 0:
         return 0.0
     return max(-1.0, min(0.0, (max_length - buffer - length) / buffer))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# task data: generated, downloaded or read from --data_path, and checked before any model loads
-
-DATASETS = {"gsm8k": "openai/gsm8k", "math": "DigitalLearningGmbH/MATH-lighteval"}  # --data_path "" reads these
-FIRST_RANK = os.environ.get("RANK", "0") == "0"  # what is said at start, rank 0 says once
-
-
-def task_args(task: str, text: str) -> dict:
-    """The task's options: its TASK_ARGS, with --task_args `text` ("key=value,...") over them, a value that reads as a
-    number a number. A key the task does not take stops the run, naming those it takes."""
-    args = dict(TASK_ARGS.get(task, {}))
-    for pair in filter(None, text.split(",")):
-        key, equals, value = (part.strip() for part in pair.partition("="))
-        if not equals:
-            raise SystemExit(f"--task_args {text}: give key=value pairs separated by commas, as letter=b")
-        if key not in args:
-            takes = f"takes {', '.join(args)}" if args else "takes no options"
-            raise SystemExit(f"--task_args {key}: --task {task} {takes} (TASK_ARGS in reward.py)")
-        args[key] = _number_or_text(value)
-    return args
-
-
-def _number_or_text(text: str) -> int | float | str:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def load_rows(dataset, split: str, cfg) -> list[dict]:
-    """The raw rows of one split of `dataset` (a PromptDataset): from --data_path (a local folder of train.* and
-    test.* splits, jsonl or parquet, or a hub id) when given; else from the task's generator (@generated: the test
-    split first, then the train split less the rows whose prompt the test split asks too); else from the task's hub
-    dataset (DATASETS)."""
-    task, data_path = cfg.task, cfg.data_path
-    if not data_path and task in GENERATED:
-        generator, held_out = GENERATED[task]
-        rows = generator(cfg.test_size + cfg.train_size, cfg.seed, dataset.args)
-        test, train = rows[: cfg.test_size], rows[cfg.test_size :]
-        if split == "test":
-            return test
-        if not held_out:
-            return train
-        asked = set(prompts_of(dataset, test))
-        kept = [row for row, prompt in zip(train, prompts_of(dataset, train)) if prompt is None or prompt not in asked]
-        if len(kept) < len(train) and FIRST_RANK:
-            print(
-                f"note: {len(train) - len(kept)} of the {len(train)} train problems that --task {task} generated ask "
-                "what a test problem asks: they are left out, so that the splits stay disjoint",
-                flush=True,
-            )
-        return kept
-    if not data_path and task not in DATASETS:
-        raise SystemExit(
-            f"--task {task}: reward.py has no data for it (it generates {', '.join(GENERATED)} and "
-            f"downloads {', '.join(DATASETS)}); for your own task give --data_path a folder of "
-            "train.jsonl and test.jsonl, or a generator (README: your own task)"
-        )
-    import datasets  # only data that is read needs it
-
-    path = data_path or DATASETS[task]  # a local folder: datasets reads the splits from the file names
-    try:
-        return list(datasets.load_dataset(path, "main" if path == DATASETS["gsm8k"] else None, split=split))
-    except Exception as error:  # no such split, folder or dataset; an empty or malformed file; a failed download
-        cause = error.__cause__ or error  # datasets wraps what its reader met
-        first_line = (str(cause).splitlines() or [""])[0][:200]
-        raise SystemExit(
-            f"--data_path {path}: no readable {split} split ({type(cause).__name__}: {first_line}): give a folder "
-            f"with {split}.jsonl (a JSON object a line) or {split}.parquet"
-        ) from None
-
-
-def prompts_of(dataset, rows: list[dict]) -> list[str | None]:
-    """The prompt that dataset's __getitem__ makes of each row, as text; None where it fails (check_items names it)."""
-    view = copy.copy(dataset)
-    view.rows = rows
-    prompts = []
-    for i in range(len(rows)):
-        try:
-            prompts.append(repr(view[i]["prompt"]))
-        except Exception:
-            prompts.append(None)
-    return prompts
-
-
-def check_items(
-    dataset, split: str, least: int = 1, warn: bool = True, tried: int = 64, tool: str = "", args: dict | None = None
-) -> tuple:
-    """Before any model is loaded, the items of `dataset` (a PromptDataset, or a list): stop with one line when
-    a row cannot be made an item, there are fewer than `least` items, they lack a field the prompt or reward_fn reads,
-    reward_fn raises on each of the first `tried`, returns a number for some and a dict for others, or (with `tool`)
-    the prompts never offer the tool; with `warn`, print how many items have a reference answer that does not parse
-    (their "answer" is None: every reward on them is 0). reward_fn gets `args`, the task's options. Returns the names
-    of the terms that reward_fn returns on the first `tried` items, in the order they first come: () when it returns
-    a number."""
-    items = []
-    for i in range(len(dataset)):
-        try:
-            items.append(dataset[i])
-        except Exception as error:  # a row without a field that __getitem__ reads, or with None where it reads text
-            raise SystemExit(
-                f"{split} row {i} (from 0) cannot be made an item ({type(error).__name__}: {error}): "
-                "PromptDataset.__getitem__ in reward.py reads a field that it lacks or holds null: check "
-                "--data_path's rows, or __getitem__"
-            ) from None
-    if len(items) < least:
-        raise SystemExit(
-            f"the {split} split has {len(items)} rows, fewer than {least} (--prompts_per_step for train): "
-            "check --task, --data_path, --train_size, --test_size (or --eval_every 0)"
-        )
-    errors = []
-    returned = []
-    for item in items[:tried]:
-        try:
-            _ = item["prompt"]
-            returned.append(reward_fn("", item, args))
-        except KeyError as missing:
-            raise SystemExit(
-                f"{split} items lack the field {missing} that the prompt or reward_fn reads: "
-                "return it from PromptDataset.__getitem__ in reward.py"
-            ) from None
-        except Exception as error:
-            errors.append(error)
-    if errors and len(errors) == len(items[:tried]):
-        raise SystemExit(
-            f"reward_fn fails on each of the first {len(errors)} {split} items "
-            f"({type(errors[0]).__name__}: {errors[0]}): fix reward_fn in reward.py"
-        )
-    if tool and "```python" not in str(items[0]["prompt"]):  # nothing would tell the model how to run code
-        raise SystemExit(
-            f"--tool {tool}: the {split} prompts do not offer the tool (no ```python in them): use a task "
-            "whose prompts do (gsm8k, math, addition) or add the offer to yours (docs/python-tool.md)"
-        )
-    terms = [name for value in returned if isinstance(value, dict) for name in value]
-    if terms and any(isinstance(value, (int, float)) for value in returned):
-        raise SystemExit(
-            f"reward_fn returns a dict of terms ({terms[0]!r}, ...) for some {split} items and a number for others: "
-            "return one kind (README: reward terms)"
-        )
-    unnamed = [name for name in terms if not isinstance(name, str) or "/" in name]
-    if unnamed:
-        raise SystemExit(f"reward_fn returns a term named {unnamed[0]!r}: name each term with a string, no /")
-    if any(value == {} for value in returned):  # the run's terms are those it returns here
-        raise SystemExit("reward_fn returns an empty dict for an empty completion: return every term, 0 if it is off")
-    bad = [i for i, item in enumerate(items) if "answer" in item and item["answer"] is None]
-    if bad and warn:
-        print(
-            f"warning: {len(bad)} of {len(items)} {split} items have a reference answer that does not parse, so "
-            f"every reward on them is 0; the first is item {bad[0]}",
-            flush=True,
-        )
-    return tuple(dict.fromkeys(terms))
 
 
 # ----------------------------------------------------------------------------------------------------------------

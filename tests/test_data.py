@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 import checkpoint
 import flags
 import reward
+import task_data
 import train
 from demo_model import demo_config, demo_tokenizer
 
@@ -643,13 +644,13 @@ def test_reference_answers_that_do_not_parse_are_none_and_counted_in_a_printed_w
     items = [{"prompt": "q", "task": "gsm8k", "answer": reward.gsm8k_answer(r)} for r in references]
     items.append({"prompt": "q", "task": "math", "answer": reward.last_boxed("no boxed answer")})  # None
     assert [reward.reward_fn("\\boxed{72}", item) for item in items] == [1.0, 0.0, 0.0, 0.0, 0.0]  # None: 0, no raise
-    assert reward.check_items(items, "train") == ()  # reward_fn returns numbers: no named terms
+    assert task_data.check_items(items, "train", reward.reward_fn) == ()  # reward_fn returns numbers: no named terms
     assert capsys.readouterr().out == (
         "warning: 3 of 5 train items have a reference answer that does not parse, so "
         "every reward on them is 0; the first is item 2\n"
     )
-    reward.check_items(items, "train", warn=False)  # ranks but the first: silent
-    reward.check_items(items[:2], "train")
+    task_data.check_items(items, "train", reward.reward_fn, warn=False)  # ranks but the first: silent
+    task_data.check_items(items[:2], "train", reward.reward_fn)
     assert capsys.readouterr().out == ""
 
 
@@ -664,12 +665,13 @@ def test_a_reward_fn_that_fails_on_every_item_stops_the_run_in_one_line(monkeypa
         match=r"reward_fn fails on each of the first 64 train items \(ZeroDivisionError: "
         r"division by zero\): fix reward_fn in reward.py",
     ):
-        reward.check_items(items, "train")
+        task_data.check_items(items, "train", reward.reward_fn)
     calls = iter(range(1000))
     monkeypatch.setattr(
         reward, "reward_fn", lambda c, s, args=None: 1 / (next(calls) % 2)
     )  # fails on half: a model's fault
-    reward.check_items(items, "train")  # no SystemExit, and no warning: toy items have no reference answer
+    # No SystemExit, and no warning: toy items have no reference answer.
+    task_data.check_items(items, "train", reward.reward_fn)
     assert capsys.readouterr().out == ""
 
 
@@ -754,17 +756,17 @@ def test_resuming_a_checkpoint_already_at_steps_says_so(tmp_path):
 
 
 def test_task_args_take_a_tasks_declared_keys_numbers_as_numbers_and_refuse_the_others():
-    assert reward.task_args("toy", "") == {"letter": "a"}  # TASK_ARGS' defaults
-    assert reward.task_args("toy", " letter = b ") == {"letter": "b"}
-    assert reward.task_args("addition", "max_operand=40") == {"max_operand": 40}
-    assert isinstance(reward.task_args("addition", "max_operand=40")["max_operand"], int)
-    assert reward.task_args("addition", "max_operand=2.5") == {"max_operand": 2.5}
+    assert task_data.task_args("toy", "", reward.TASK_ARGS) == {"letter": "a"}  # TASK_ARGS' defaults
+    assert task_data.task_args("toy", " letter = b ", reward.TASK_ARGS) == {"letter": "b"}
+    assert task_data.task_args("addition", "max_operand=40", reward.TASK_ARGS) == {"max_operand": 40}
+    assert isinstance(task_data.task_args("addition", "max_operand=40", reward.TASK_ARGS)["max_operand"], int)
+    assert task_data.task_args("addition", "max_operand=2.5", reward.TASK_ARGS) == {"max_operand": 2.5}
     with pytest.raises(SystemExit, match=r"^--task_args colour: --task toy takes letter \(TASK_ARGS in reward.py\)$"):
-        reward.task_args("toy", "colour=red")
+        task_data.task_args("toy", "colour=red", reward.TASK_ARGS)
     with pytest.raises(SystemExit, match=r"^--task_args depth: --task countdown takes no options"):
-        reward.task_args("countdown", "depth=3")
+        task_data.task_args("countdown", "depth=3", reward.TASK_ARGS)
     with pytest.raises(SystemExit, match="give key=value pairs separated by commas"):
-        reward.task_args("toy", "letter")
+        task_data.task_args("toy", "letter", reward.TASK_ARGS)
     cfg = train.Config(task="toy", task_args="letter=z", train_size=10, test_size=2, prompts_per_step=2)
     dataset = train.PromptDataset(cfg, "train")
     assert dataset.args == {"letter": "z"} and dataset[0]["prompt"] == "Say z:"
@@ -773,9 +775,10 @@ def test_task_args_take_a_tasks_declared_keys_numbers_as_numbers_and_refuse_the_
 def test_a_generators_train_rows_whose_prompt_a_test_row_gives_are_left_out_and_said(monkeypatch, capsys):
     """A generator that draws the same problems again (7 letters for 40 rows): the test split is its first rows, and
     the train split keeps only the rows whose prompt no test row gives, whatever the generator drew."""
-    monkeypatch.setitem(reward.GENERATED, "toy", reward.GENERATED["toy"])  # the demo's generator back after the test
+    # The demo's generator back after the test.
+    monkeypatch.setitem(task_data.GENERATED, "toy", task_data.GENERATED["toy"])
 
-    @reward.generated("toy")  # the toy task's rows, now drawn with repeats and held out
+    @task_data.generated("toy")  # the toy task's rows, now drawn with repeats and held out
     def repeating(n, seed, args):
         return [{"target": "abcdefg"[i % 7]} for i in range(n)]
 

@@ -13,6 +13,7 @@ import pytest
 
 import reward
 import sandbox
+import task_data
 from demo_model import demo_config, demo_tokenizer
 from test_train import torchrun
 
@@ -214,25 +215,25 @@ def test_the_run_takes_its_reward_terms_from_what_reward_fn_returns_on_the_items
     reward_fn that returns a number; a reward_fn that returns a number for some items and a dict for others, or a
     term whose name is not a string, stops the run in one line."""
     items = [{"prompt": "Say a:", "task": "toy", "target": t} for t in "abc"]
-    assert reward.check_items(items, "train") == ("correct", "format")
+    assert task_data.check_items(items, "train", reward.reward_fn) == ("correct", "format")
     monkeypatch.setattr(reward, "reward_fn", lambda completion, item, args=None: 0.0)
-    assert reward.check_items(items, "train") == ()
+    assert task_data.check_items(items, "train", reward.reward_fn) == ()
     monkeypatch.setattr(
         reward, "reward_fn", lambda completion, item, args=None: {"c": 1.0} if item["target"] == "a" else 1.0
     )
     with pytest.raises(SystemExit, match="a dict of terms \\('c', ...\\) for some train items and a number for others"):
-        reward.check_items(items, "train")
+        task_data.check_items(items, "train", reward.reward_fn)
     monkeypatch.setattr(reward, "reward_fn", lambda completion, item, args=None: {"c": 1.0, 2: 0.5})
     with pytest.raises(SystemExit, match="reward_fn returns a term named 2: name each term with a string"):
-        reward.check_items(items, "train")
+        task_data.check_items(items, "train", reward.reward_fn)
     monkeypatch.setattr(
         reward, "reward_fn", lambda completion, item, args=None: {"c/std": 1.0}
     )  # its std's key is c/std's
     with pytest.raises(SystemExit, match="a term named 'c/std': name each term with a string, no /"):
-        reward.check_items(items, "train")
+        task_data.check_items(items, "train", reward.reward_fn)
     monkeypatch.setattr(reward, "reward_fn", lambda completion, item, args=None: {"c": 1.0} if completion else {})
     with pytest.raises(SystemExit, match="reward_fn returns an empty dict for an empty completion: return every term"):
-        reward.check_items(items, "train")
+        task_data.check_items(items, "train", reward.reward_fn)
 
 
 def test_workers_take_no_trainer_signal_handler_and_close_ends_what_reward_fn_started(bad_reward, tmp_path):
