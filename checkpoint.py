@@ -10,7 +10,8 @@ A checkpoint is a folder checkpoints/step_N under --out_dir:
 It is written as step_N.tmp and renamed when whole, so a crash or a power cut leaves the old checkpoint or the new.
 
 This is machinery a researcher rarely edits. train.py calls it to load (load_tokenizer_and_config, weight_files,
-load_weights), to resume (find_resume, resume) and to save (save).
+load_weights), to open the run's folder and find the checkpoint to resume (open_run), to resume (resume) and to save
+(save).
 """
 
 import dataclasses
@@ -49,6 +50,7 @@ from transformers import (
 )
 
 import architectures
+import launch
 import reward
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -199,7 +201,10 @@ def model_folder(model, download=True):
 
 
 def weight_files(model):
-    """On rank 0: the model*.safetensors files of --model (a hub id is downloaded), each checked to be whole."""
+    """On rank 0: the model*.safetensors files of --model (a hub id is downloaded), each checked to be whole; [None]
+    for --model tiny and its siblings, whose weights are random."""
+    if model in TINY_MODELS:
+        return [None]
     files = sorted(map(str, pathlib.Path(model_folder(model)).glob("model*.safetensors")))
     for file in files:
         try:
@@ -273,11 +278,21 @@ def tensor_bytes(handle, key):
 # The run folder: config.json, metrics.jsonl, wandb/ and checkpoints/
 
 
+def open_run(cfg, model_config, notes, world_group):
+    """The run in --out_dir, once every check passed (a run refused leaves the folder as it was): the checkpoint to
+    resume (find_resume), the folder opened by rank 0 (open_run_dir: the flags and `notes` said, wandb started) and
+    seen by every rank. Returns that checkpoint ("": none), the step to start from and wandb's run id."""
+    resumed_from, start_step, wandb_id = launch.on_first_rank(world_group, find_resume, cfg, model_config)
+    run_id, wandb_id = launch.on_first_rank(world_group, open_run_dir, cfg, start_step, wandb_id, notes)
+    check_every_rank_sees(cfg.out_dir, run_id, world_group)
+    return resumed_from, start_step, wandb_id
+
+
 def open_run_dir(cfg, start_step, wandb_id, notes=()):
     """On rank 0: the flags that differ from the defaults printed, then `notes` (flags.start_notes'), wandb started
-    (wandb.run), config.json written with every flag and a new run id, which is returned, and metrics.jsonl cut back
-    to start_step (the steps after it run again; a fresh run, start_step 0, keeps no line: not an earlier run's
-    evaluation before training)."""
+    (wandb.run, resuming the run `wandb_id`), config.json written with every flag and a new run id, and metrics.jsonl
+    cut back to start_step (the steps after it run again; a fresh run, start_step 0, keeps no line: not an earlier
+    run's evaluation before training). Returns the run id and wandb's (that of the run resumed, or a new one)."""
     defaults = {field.name: field.default for field in dataclasses.fields(cfg)}
     changed = [f"{key}={value}" for key, value in dataclasses.asdict(cfg).items() if value != defaults[key]]
     for line in ["config: " + " ".join(changed), *notes]:
@@ -289,6 +304,7 @@ def open_run_dir(cfg, start_step, wandb_id, notes=()):
             import wandb
 
             wandb.init(project=cfg.wandb_project, config=config, id=wandb_id, resume="allow", dir=cfg.out_dir)
+            wandb_id = wandb.run.id
         pathlib.Path(cfg.out_dir, "config.json").write_text(json.dumps(config, indent=1))
     except OSError as error:
         raise SystemExit(
@@ -306,7 +322,7 @@ def open_run_dir(cfg, start_step, wandb_id, notes=()):
             if start_step and line.endswith("\n") and json.loads(line)["step"] <= start_step:
                 kept.append(line)
         metrics.write_text("".join(kept))
-    return config["run_id"]
+    return config["run_id"], wandb_id
 
 
 def append_metrics(out_dir, step, metrics):

@@ -19,7 +19,12 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import architectures
+import launch
 import lora
+
+# Truncated sampling keeps at most this many tokens per sampled token (--top_k's bound, and with --top_p alone its
+# value): the trainer stores each kept set (as prime-rl, whose default it is), and SGLang reports them up to a bound.
+MAX_KEPT = 512
 
 
 class Engine:
@@ -91,11 +96,8 @@ class HFEngine(Engine):
         return outputs
 
     def generate_batch(self, prompts, budgets, sampling, stop_ids, seed, routing_from):
-        longest = max(map(len, prompts))
-        device = self.model.device
-        # Left-padded, the padding masked.
-        ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+        ids, mask = launch.padded(prompts, self.model.device, left=True)
+        longest = ids.shape[1]
         self.model.routed.clear()
         with torch.random.fork_rng(devices=[]):  # seeded sampling that leaves the global RNG alone
             torch.manual_seed(seed)
@@ -149,6 +151,7 @@ class HFEngine(Engine):
 
 def start_engine(cfg, model_config, par, device):
     """One engine per TP group, run by its first rank; the group's other ranks hold what takes part in a push."""
+    free_gpu_cache(par.tp_group)  # SGLang sizes itself from the free memory it sees at start
     owner = par.mesh["tp"].get_local_rank() == 0
     if cfg.engine == "hf" and owner:
         return HFEngine(model_config, device)
@@ -278,7 +281,7 @@ class SGLangEngine(SGLangPeer):
     def generate_truncated(self, prompts, sampling, routing):
         """Top-p / top-k sampling with each token's kept set, and its log-prob renormalised over that set, as SGLang
         reports them (return_sampling_mask). Engine.generate has no keyword for it: the request is sent as it sends
-        its own. A kept set must be at most --sampling-mask-max-tokens (4096), which train.MAX_KEPT keeps it under."""
+        its own. A kept set must be at most --sampling-mask-max-tokens (4096), which MAX_KEPT keeps it under."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         request = GenerateReqInput(input_ids=prompts, sampling_params=sampling, return_sampling_mask=True, **routing)
@@ -317,6 +320,29 @@ def routed_experts(encoded, config):
     experts = np.frombuffer(pybase64.b64decode(encoded), dtype=np.int32)
     experts = experts.reshape(-1, config.num_hidden_layers, config.num_experts_per_tok)
     return torch.from_numpy(experts.copy()).to(architectures.routing_dtype(config))
+
+
+def extend_samples(engine, samples, budgets, stop_ids, temperature, seed, version, cfg):
+    """One engine call, on the engine's rank: each response of `samples` (train.Sample) goes on by at most its
+    budget, and the tokens it gets are appended as sampled, with their log-probs, their kept sets (--top_p or
+    --top_k; at most MAX_KEPT a token), the experts routing chose (--routing_replay) and `version`, the step whose
+    policy sampled them. Returns each sample's new tokens."""
+    top_k = cfg.top_k
+    if cfg.top_p < 1 and top_k == 0:  # the kept sets bounded
+        top_k = MAX_KEPT
+    prompts = [s.prompt_ids + s.response_ids for s in samples]
+    # --routing_replay: the engine reports its experts at each sample's positions from the first not yet routed.
+    routing_from = [len(s.routing) for s in samples] if cfg.routing_replay != "off" else None
+    outputs = engine.generate(prompts, budgets, temperature, cfg.top_p, top_k, stop_ids, seed, routing_from)
+    for s, (ids, logprobs, kept_ids, kept_sizes, routing) in zip(samples, outputs):
+        s.response_ids += ids
+        s.sampled += [True] * len(ids)
+        s.engine_logprobs = torch.cat([s.engine_logprobs, logprobs])
+        s.versions = torch.cat([s.versions, torch.full((len(ids),), version, dtype=torch.int32)])
+        s.kept_ids = torch.cat([s.kept_ids, kept_ids])
+        s.kept_sizes = torch.cat([s.kept_sizes, kept_sizes])
+        s.routing = torch.cat([s.routing, routing])
+    return [ids for ids, *_ in outputs]
 
 
 def check_engine_flags(cfg):
@@ -363,10 +389,11 @@ def weight_buckets(weights, bucket_bytes):
         yield bucket
 
 
-def push_weights(weights, engine, bucket_mb, tp_group):
-    """`weights`, (HF name, full tensor in engine.push_dtype) pairs, into the engine in buckets of --bucket_mb; the
+def push_weights(model, engine, bucket_mb, tp_group):
+    """The model's weights (full_weights, in engine.push_dtype) into the engine in buckets of --bucket_mb; the
     engine's memory was released at the rollouts' end. Every rank of the TP group runs it."""
     free_gpu_cache(tp_group)  # the trainer's cached blocks back to the GPU before the engine's weights come back
+    weights = full_weights(model, engine.push_dtype)
     engine.begin_update()
     for bucket in weight_buckets(engine.pieces(weights, bucket_mb << 20), bucket_mb << 20):
         engine.update(bucket, tp_group)

@@ -2,9 +2,11 @@
 
 A flag is declared once, as a field of train.Config; a bound rides on its type (`Annotated[int, AtLeast(1)]`, or an
 alias such as train.Count). parse reads the command line (a --preset's values under the flags given; a mistyped flag
-named with the nearest one), and check_bounds refuses a value below its bound, NaN or inf, naming the flag. The flags
-that name reward_fn's terms are checked against them (check_terms), and start_notes says at start what a flag may do
-that its user did not mean. docs/flags.md lists every flag with its default, and tests/test_style.py holds it to Config.
+named with the nearest one), and check_bounds refuses a value below its bound, NaN or inf, naming the flag;
+check_config refuses flags that do not fit each other or the world size (a check that relates a new flag to others
+goes there). The flags that name reward_fn's terms are checked against them (check_terms), and start_notes says at
+start what a flag may do that its user did not mean. docs/flags.md lists every flag with its default, and
+tests/test_style.py holds it to Config.
 
 Machinery a researcher rarely edits: a new flag is a Config field with its bound, its use and its docs line.
 """
@@ -12,10 +14,13 @@ Machinery a researcher rarely edits: a new flag is a Config field with its bound
 import argparse
 import difflib
 import math
+import os
 import typing
 from dataclasses import dataclass
 
 from transformers import HfArgumentParser
+
+import engines
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,60 @@ def check_bounds(cfg):
             value = getattr(cfg, name)
             if not bound.admits(value):
                 raise SystemExit(f"--{name} must be a number {bound}, not {value}")
+
+
+def check_config(cfg, world):
+    """cfg, once its flags pass every check (their bounds, and each flag against the others and the world size);
+    each check names the flag to change, one bad flag at a time."""
+    check_bounds(cfg)
+    dp = max(world // cfg.tp, 1)
+    per_rank = cfg.prompts_per_step // dp
+    is_level_or_mode_set = (cfg.is_mode, cfg.is_level) != ("truncate", "token")
+    named_numbers(cfg, "reward_weights")
+    checks = [
+        (world % cfg.tp, f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}"),
+        (cfg.prompts_per_step % dp, f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp}"),
+        (
+            per_rank * cfg.group_size % cfg.num_minibatches,
+            f"--num_minibatches {cfg.num_minibatches} must divide a rank's {per_rank} x G samples",
+        ),
+        (cfg.kl_in_reward and cfg.beta == 0, "--kl_in_reward needs --beta above 0: beta scales the KL penalty"),
+        (cfg.std_of == "batch" and not cfg.scale_std, "--std_of batch is the std that --scale_std divides by: keep it"),
+        (
+            cfg.advantage == "rloo" and cfg.scale_std,
+            "--advantage rloo is not divided by a std (as verl's and TRL's RLOO): add --scale_std false",
+        ),
+        (cfg.temperature == 0, "--temperature must be above 0: greedy samples are all alike, nothing to learn"),
+        (not 0 < cfg.top_p <= 1, f"--top_p must be above 0 and at most 1, not {cfg.top_p}"),
+        (
+            cfg.top_k > engines.MAX_KEPT,
+            f"--top_k {cfg.top_k} keeps more than the {engines.MAX_KEPT} tokens stored per sampled token",
+        ),
+        (not 0 < cfg.mem_fraction < 1, f"--mem_fraction is a share: above 0, below 1, not {cfg.mem_fraction}"),
+        (os.path.realpath(cfg.out_dir) == os.path.realpath(cfg.model), "--out_dir must differ from --model"),
+        (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
+        (
+            cfg.partial_rollouts and cfg.tis_cap == 0,
+            "--partial_rollouts trains tokens older policies sampled: add --tis_cap 2 to correct them (decoupled PPO)",
+        ),
+        (
+            cfg.partial_rollouts and cfg.dynamic_sampling_rounds,
+            "--partial_rollouts admits a fixed batch of prompts a step: drop --dynamic_sampling_rounds",
+        ),
+        (
+            cfg.objective.startswith("dppo") and cfg.ratio_level == "sequence",
+            f"--objective {cfg.objective} masks tokens by their own ratio: use --ratio_level token",
+        ),
+        (
+            is_level_or_mode_set and cfg.tis_cap <= 1,
+            "--is_mode and --is_level act through --tis_cap: set it above 1, the bound on the ratio",
+        ),
+    ]
+    for failed, message in checks:
+        if failed:
+            raise SystemExit(message)
+    engines.check_engine_flags(cfg)
+    return cfg
 
 
 def named_numbers(cfg, flag):

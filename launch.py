@@ -1,7 +1,7 @@
 """How train.py runs as processes under torchrun: the process group, the (dp, tp) device mesh and gloo groups, work
 done once on a group's first rank, what the ranks must do alike (sums over the world, as many micro-batches on every
-rank, the global grad norm over dp's and tp's meshes), progress lines, stopping on a signal, and every rank exiting
-together with rank 0 saying why.
+rank, the global grad norm over dp's and tp's meshes), stopping on a signal, and every rank exiting together with
+rank 0 saying why.
 
 Machinery a researcher rarely edits; `python train.py` (one process, no torchrun) goes through the same code.
 """
@@ -12,10 +12,8 @@ import logging
 import math
 import os
 import signal
-import string
 import sys
 import threading
-import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -67,6 +65,16 @@ class Parallel:
     dp_group: dist.ProcessGroup
     tp_group: dist.ProcessGroup
 
+    @property
+    def dp(self):
+        """The number of data-parallel ranks: TP groups, each with its own engine and samples."""
+        return self.mesh["dp"].size()
+
+    @property
+    def dp_rank(self):
+        """This rank's place among them."""
+        return self.mesh["dp"].get_local_rank()
+
 
 def parallel_groups(device_type, tp):
     """Parallel for a (world / tp, tp) layout: dp ranks apart by tp, a TP group's ranks next to each other."""
@@ -101,6 +109,30 @@ def sum_over_world(values, par):
     return dict(zip(values, totals.tolist()))
 
 
+def means_over_world(per_token, per_sample, counts, par):
+    """A step's means over all ranks: of the sums in `per_token` over the sampled tokens (counts["tokens"]), of the
+    values in `per_sample` (a dict a sample, the same keys on every rank) over the samples (counts["samples"]), with
+    the std of each reward/ term; and `counts` summed. Returns them, and the totals they come from."""
+    sample_sums = {key: sum(values[key] for values in per_sample) for key in per_sample[0]}
+    squares = {}
+    for key in [key for key in sample_sums if key.startswith("reward/")]:
+        squares[f"{key}/std"] = sum(values[key] * values[key] for values in per_sample)
+    totals = sum_over_world({**per_token, **sample_sums, **squares, **counts}, par)
+    means = {key: totals[key] / max(totals["tokens"], 1) for key in per_token}
+    means |= {key: totals[key] / totals["samples"] for key in sample_sums}
+    for key in squares:  # over the step's samples
+        variance = totals[key] / totals["samples"] - means[key.removesuffix("/std")] ** 2
+        means[key] = math.sqrt(max(variance, 0.0))
+    return means | {key: totals[key] for key in counts}, totals
+
+
+def max_over_world(values, par):
+    """Each value's maximum over all ranks, in one float64 all-reduce."""
+    peaks = torch.tensor(list(values.values()), dtype=torch.float64)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=par.world_group)
+    return dict(zip(values, peaks.tolist()))
+
+
 def micro_batches(samples, cfg, group):
     """--micro_batch_size each, or packed to --max_tokens_per_microbatch; equal count on all ranks (collectives)."""
     if cfg.max_tokens_per_microbatch == 0:
@@ -121,6 +153,19 @@ def micro_batches(samples, cfg, group):
     return batches
 
 
+def padded(seqs, device, left=False):
+    """Token id lists as one batch [B, T] and its attention mask, padded with 0 on the right (or the left), the
+    padding masked."""
+    longest = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        columns = slice(longest - len(seq), longest) if left else slice(0, len(seq))
+        ids[row, columns] = torch.tensor(seq, dtype=torch.long)
+        mask[row, columns] = 1
+    return ids.to(device), mask.to(device)
+
+
 def clip_grad_norm(model, max_norm):
     """The gradients' global norm, and with --max_grad_norm above 0 the gradients scaled to at most that when it is
     finite. A norm per mesh, then combined: clip_grad_norm_ cannot mix dp's and (dp, tp)'s DTensors."""
@@ -134,27 +179,6 @@ def clip_grad_norm(model, max_norm):
         for grads in by_mesh.values():
             torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
     return norm
-
-
-def format_parts(parts, values):
-    """The parts (each a format of `values`' keys) that name only keys `values` holds, formatted, joined by spaces."""
-    shown = []
-    for part in parts:
-        keys = [key for _, key, _, _ in string.Formatter().parse(part) if key]
-        if all(key in values for key in keys):
-            shown.append(part.format(**values))
-    return " ".join(shown)
-
-
-@contextlib.contextmanager
-def announce(what, rank):
-    """On rank 0: what is being done, then how long it took."""
-    start = time.perf_counter()
-    if rank == 0:
-        print(f"{what}...", end=" ", flush=True)
-    yield
-    if rank == 0:
-        print(f"{time.perf_counter() - start:.1f}s", flush=True)
 
 
 def stop_on_signal(rank):

@@ -16,12 +16,9 @@ code in worker processes), launch.py (the processes under torchrun), flags.py (t
 inflight.py (partial rollouts' bookkeeping), lora.py and vocab_parallel.py.
 """
 
-import datetime
 import functools
 import itertools
 import math
-import os
-import textwrap
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -37,6 +34,7 @@ import checkpoint
 import engines
 import flags
 import launch
+import logs
 import lora
 import reward
 import sandbox
@@ -145,59 +143,6 @@ CPU_PRESET = dict(model="tiny", task="toy", engine="hf", out_dir="runs/cpu", tra
 CPU_PRESET.update(steps=30, prompts_per_step=8, group_size=8, max_new_tokens=16, micro_batch_size=32, lr=1e-2)
 CPU_PRESET.update(warmup_steps=0, eval_every=10, eval_prompts=16, save_every=0, reward_workers=2)
 PRESETS = {"cpu": CPU_PRESET}
-# Truncated sampling keeps at most this many tokens per sampled token (--top_k's bound, and with --top_p alone its
-# value): the trainer stores each kept set (as prime-rl, whose default it is), and SGLang reports them up to a bound.
-MAX_KEPT = 512
-
-
-def check_config(cfg, world):
-    """cfg, once its flags pass every check; each check names the flag to change, one bad flag at a time."""
-    flags.check_bounds(cfg)
-    dp = max(world // cfg.tp, 1)
-    per_rank = cfg.prompts_per_step // dp
-    is_level_or_mode_set = (cfg.is_mode, cfg.is_level) != ("truncate", "token")
-    flags.named_numbers(cfg, "reward_weights")
-    checks = [
-        (world % cfg.tp, f"--tp {cfg.tp} does not divide the world size {world}: use a divisor of {world}"),
-        (cfg.prompts_per_step % dp, f"--prompts_per_step {cfg.prompts_per_step} must divide by dp = {dp}"),
-        (
-            per_rank * cfg.group_size % cfg.num_minibatches,
-            f"--num_minibatches {cfg.num_minibatches} must divide a rank's {per_rank} x G samples",
-        ),
-        (cfg.kl_in_reward and cfg.beta == 0, "--kl_in_reward needs --beta above 0: beta scales the KL penalty"),
-        (cfg.std_of == "batch" and not cfg.scale_std, "--std_of batch is the std that --scale_std divides by: keep it"),
-        (
-            cfg.advantage == "rloo" and cfg.scale_std,
-            "--advantage rloo is not divided by a std (as verl's and TRL's RLOO): add --scale_std false",
-        ),
-        (cfg.temperature == 0, "--temperature must be above 0: greedy samples are all alike, nothing to learn"),
-        (not 0 < cfg.top_p <= 1, f"--top_p must be above 0 and at most 1, not {cfg.top_p}"),
-        (cfg.top_k > MAX_KEPT, f"--top_k {cfg.top_k} keeps more than the {MAX_KEPT} tokens stored per sampled token"),
-        (not 0 < cfg.mem_fraction < 1, f"--mem_fraction is a share: above 0, below 1, not {cfg.mem_fraction}"),
-        (os.path.realpath(cfg.out_dir) == os.path.realpath(cfg.model), "--out_dir must differ from --model"),
-        (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
-        (
-            cfg.partial_rollouts and cfg.tis_cap == 0,
-            "--partial_rollouts trains tokens older policies sampled: add --tis_cap 2 to correct them (decoupled PPO)",
-        ),
-        (
-            cfg.partial_rollouts and cfg.dynamic_sampling_rounds,
-            "--partial_rollouts admits a fixed batch of prompts a step: drop --dynamic_sampling_rounds",
-        ),
-        (
-            cfg.objective.startswith("dppo") and cfg.ratio_level == "sequence",
-            f"--objective {cfg.objective} masks tokens by their own ratio: use --ratio_level token",
-        ),
-        (
-            is_level_or_mode_set and cfg.tis_cap <= 1,
-            "--is_mode and --is_level act through --tis_cap: set it above 1, the bound on the ratio",
-        ),
-    ]
-    for failed, message in checks:
-        if failed:
-            raise SystemExit(message)
-    engines.check_engine_flags(cfg)
-    return cfg
 
 
 def step_items(dataset, step, cfg, dp_rank, dp, sampling_round=0):
@@ -210,6 +155,11 @@ def step_items(dataset, step, cfg, dp_rank, dp, sampling_round=0):
     return [dataset[j] for j in order[start : start + per_rank]]
 
 
+def empty(dtype=torch.float32):
+    """A Sample field that holds a tensor, empty until the engine's turns fill it."""
+    return field(default_factory=lambda: torch.zeros(0, dtype=dtype))
+
+
 @dataclass
 class Sample:
     """One response and what the step learns about it; per-token fields are float32 tensors over its sampled tokens."""
@@ -219,15 +169,15 @@ class Sample:
     response_ids: list[int] = field(default_factory=list)
     sampled: list[bool] = field(default_factory=list)  # per response token: sampled, or tool output (no loss)
     # The engine's log-probs of the sampled tokens, of logits / temperature (renormalised over the kept sets).
-    engine_logprobs: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    engine_logprobs: torch.Tensor = empty()
     # Truncated sampling: each sampled token's kept set (the ids it was drawn from), one set after another, and sizes.
-    kept_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
-    kept_sizes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
+    kept_ids: torch.Tensor = empty(torch.int32)
+    kept_sizes: torch.Tensor = empty(torch.int32)
     tool_outputs: list[str] = field(default_factory=list)  # what each run of its code printed (--tool python)
     # Per sampled token: the step whose policy sampled it (the engine's weights then), for --partial_rollouts.
-    versions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
+    versions: torch.Tensor = empty(torch.int32)
     # --routing_replay: the experts [positions, layers, k] the engine's latest weights chose at each position but last.
-    routing: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.uint8))
+    routing: torch.Tensor = empty(torch.uint8)
     ended: bool = False  # a stop token sampled, or --max_new_tokens reached: generated to its end
     truncated: bool = False  # cut off by --max_new_tokens rather than ended by a stop token
     terms: dict = field(default_factory=dict)  # reward_fn's terms by name, when it returns a dict of them
@@ -302,23 +252,10 @@ def generate_turn(engine, workers, tokenizer, samples, cfg, seed, temperature, b
     got fewer tokens than asked for with no fence (the engine ended it)."""
     stop_ids = reward.stop_token_ids(tokenizer)
     fence_ids = reward.fence_token_ids(tokenizer) if cfg.tool else []
-    top_k = cfg.top_k
-    if cfg.top_p < 1 and top_k == 0:  # the kept sets bounded
-        top_k = MAX_KEPT
     budgets = [min(budget, cfg.max_new_tokens - len(s.response_ids)) for s in samples]
-    prompts = [s.prompt_ids + s.response_ids for s in samples]
-    # --routing_replay: the engine reports its experts at each sample's positions from the first not yet routed.
-    routing_from = [len(s.routing) for s in samples] if cfg.routing_replay != "off" else None
-    outputs = engine.generate(prompts, budgets, temperature, cfg.top_p, top_k, stop_ids + fence_ids, seed, routing_from)
+    turns = engines.extend_samples(engine, samples, budgets, stop_ids + fence_ids, temperature, seed, version, cfg)
     fenced = []
-    for s, asked, (ids, logprobs, kept_ids, kept_sizes, routing) in zip(samples, budgets, outputs):
-        s.response_ids += ids
-        s.sampled += [True] * len(ids)
-        s.engine_logprobs = torch.cat([s.engine_logprobs, logprobs])
-        s.versions = torch.cat([s.versions, torch.full((len(ids),), version, dtype=torch.int32)])
-        s.kept_ids = torch.cat([s.kept_ids, kept_ids])
-        s.kept_sizes = torch.cat([s.kept_sizes, kept_sizes])
-        s.routing = torch.cat([s.routing, routing])
+    for s, asked, ids in zip(samples, budgets, turns):
         if ids and ids[-1] in fence_ids:
             fenced.append(s)
         else:
@@ -373,10 +310,8 @@ def collect_rollouts(engine, workers, dataset, tokenizer, in_flight, cfg, step, 
     """The step's groups of G samples, scored; the failed reward_fn calls; and counts: the groups dynamic sampling
     dropped (equal shaped rewards, so no signal) that no later round could replace, and with --partial_rollouts the
     responses carried into the next step."""
-    dp_rank = par.mesh["dp"].get_local_rank()
-    dp = par.mesh["dp"].size()
     if cfg.partial_rollouts:  # on the engine's rank, which holds the groups in flight; sent to its TP group
-        args = (engine, workers, dataset, tokenizer, in_flight, cfg, step, dp_rank, dp)
+        args = (engine, workers, dataset, tokenizer, in_flight, cfg, step, par.dp_rank, par.dp)
         samples, errors, carried = launch.on_first_rank(par.tp_group, partial_rollouts, *args)
         return samples, errors, dict(groups_dropped=0, responses_carried=carried)
     generate = functools.partial(generate_rollouts, engine, workers, tokenizer)
@@ -384,8 +319,8 @@ def collect_rollouts(engine, workers, dataset, tokenizer, in_flight, cfg, step, 
     dropped = []
     errors = []
     for sampling_round in range(cfg.dynamic_sampling_rounds + 1):
-        items = step_items(dataset, step, cfg, dp_rank, dp, sampling_round)
-        seed = hash((cfg.seed, step, sampling_round, dp_rank))
+        items = step_items(dataset, step, cfg, par.dp_rank, par.dp, sampling_round)
+        seed = hash((cfg.seed, step, sampling_round, par.dp_rank))
 
         # On the engine's rank, sent to its TP group.
         samples, failed = launch.on_first_rank(
@@ -484,11 +419,8 @@ def response_logprobs(model, samples, cfg, tp_mesh):
     load-balancing loss and tokens per expert [layers, experts] (architectures.routing; none for a dense model)."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     device = torch.device(tp_mesh.device_type)
-    longest = max(map(len, seqs))
-    # Right-padded, the padding masked.
-    ids = torch.tensor([q + [0] * (longest - len(q)) for q in seqs], device=device)
-    mask = torch.tensor([[1] * len(q) + [0] * (longest - len(q)) for q in seqs], device=device)
-    engine_routing = architectures.engine_routing(samples, longest, model.config, device)  # --routing_replay's
+    ids, mask = launch.padded(seqs, device)
+    engine_routing = architectures.engine_routing(samples, ids.shape[1], model.config, device)  # --routing_replay's
     model.replay = engine_routing if cfg.routing_replay == "on" else None  # its experts replayed by the forward
     out = model(
         input_ids=ids,
@@ -705,159 +637,80 @@ def lr_factor(step, cfg):
 # Metrics, logging and evaluation
 
 
+def sample_metrics(s, cfg):
+    """A sample's numbers, each logged as its mean over the step's samples; reward_fn's terms with their std too."""
+    values = {
+        "reward": s.reward,
+        "shaped_reward": s.shaped_reward,
+        "accuracy": s.correct,
+        "response_len": s.num_sampled,  # tool output is not counted
+        "truncated": s.truncated,
+        "turns": len(s.tool_outputs) + sum(s.sampled[-1:]),  # a turn per output, and the last
+        "tool_calls": len(s.tool_outputs),
+        "tool_use": bool(s.tool_outputs),
+    }
+    if cfg.partial_rollouts:  # how many policies sampled it
+        values["versions_per_response"] = len(set(s.versions.tolist()))
+    for name, term in s.terms.items():  # reward_fn's terms, in the same order on every rank
+        values[f"reward/{name}"] = term
+    return values
+
+
 def step_metrics(samples, token_sums, maxima, errors, rollout_counts, cfg, par, version=0):
-    """The step's metrics over all ranks: sums per sampled token, means per sample, counts, and maxima. `version`:
-    the step, whose policy sampled the fresh tokens (--partial_rollouts)."""
-    lengths = [s.num_sampled for s in samples]  # tool output is not counted
+    """The step's metrics over all ranks: token_sums' means per sampled token, sample_metrics' means per sample,
+    counts, and maxima. `version`: the step, whose policy sampled the fresh tokens (--partial_rollouts)."""
+    per_sample = [sample_metrics(s, cfg) for s in samples]
     failures = [reward.tool_failure(output) for s in samples for output in s.tool_outputs]
     rewards = torch.tensor([s.shaped_reward for s in samples]).view(-1, cfg.group_size)
     counts = dict(
         groups=len(rewards),
         zero_std_groups=(rewards == rewards[:, :1]).all(1).sum(),  # all rewards equal: no advantage, no gradient
         samples=len(samples),
-        tokens=sum(lengths),
+        tokens=sum(s.num_sampled for s in samples),
         reward_errors=len(errors),
         **rollout_counts,
         tool_errors=failures.count("error"),
         tool_timeouts=failures.count("timeout"),
     )
-    sample_sums = dict(
-        reward=sum(s.reward for s in samples),
-        shaped_reward=sum(s.shaped_reward for s in samples),
-        accuracy=sum(s.correct for s in samples),
-        response_len=sum(lengths),
-        truncated=sum(s.truncated for s in samples),
-        turns=sum(len(s.tool_outputs) + sum(s.sampled[-1:]) for s in samples),  # a turn per output, and the last
-        tool_calls=len(failures),
-        tool_use=sum(bool(s.tool_outputs) for s in samples),
-    )
     if cfg.partial_rollouts:  # how old the trained tokens are, and how many policies sampled each response
         staleness = version - torch.cat([s.versions for s in samples])
         token_sums = dict(token_sums, staleness_mean=staleness.sum())
-        spans = [len(set(s.versions.tolist())) for s in samples]
-        sample_sums["versions_per_response"] = sum(spans)
-        maxima = dict(maxima, staleness_max=max(staleness.tolist(), default=0), versions_per_response_max=max(spans))
-    squares = {}
-    for name in samples[0].terms:  # reward_fn's terms, in the same order on every rank
-        terms = [s.terms[name] for s in samples]
-        sample_sums[f"reward/{name}"] = sum(terms)
-        squares[f"reward/{name}/std"] = sum(term * term for term in terms)
-    totals = launch.sum_over_world({**token_sums, **sample_sums, **squares, **counts}, par)
-    metrics = {key: totals[key] / max(totals["tokens"], 1) for key in token_sums}
-    metrics |= {key: totals[key] / totals["samples"] for key in sample_sums}
-    for key in squares:  # over the step's samples
-        variance = totals[key] / totals["samples"] - metrics[key.removesuffix("/std")] ** 2
-        metrics[key] = math.sqrt(max(variance, 0.0))
-    metrics |= {key: totals[key] for key in counts}
+        maxima = dict(maxima, staleness_max=max(staleness.tolist(), default=0))
+        maxima["versions_per_response_max"] = max(m["versions_per_response"] for m in per_sample)
+    metrics, totals = launch.means_over_world(token_sums, per_sample, counts, par)
     if cfg.partial_rollouts:  # the push canary over the tokens the current weights sampled; the older ones apart
         metrics["mismatch_abs"] = totals["mismatch_abs"] / max(totals["fresh"], 1)
         metrics["mismatch_kl"] = totals["mismatch_kl"] / max(totals["fresh"], 1)
         metrics["stale_mismatch_abs"] = totals["stale_mismatch_abs"] / max(totals["tokens"] - totals["fresh"], 1)
     metrics["frac_reward_zero_std"] = totals["zero_std_groups"] / totals["groups"]  # as TRL names it
-    maxima = dict(maxima, response_len_max=max(lengths))
-    peaks = torch.tensor(list(maxima.values()), dtype=torch.float64)
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=par.world_group)
-    metrics.update(zip(maxima, peaks.tolist()))
-    return metrics
-
-
-# Said once, at the first step whose groups all have equal rewards: such a step learns nothing.
-NO_SIGNAL = (
-    "step {step} learned nothing: in every group the rewards are equal, so no advantage and no gradient. Usual "
-    "causes: responses cut off by --max_new_tokens {max_new_tokens} (cut {truncated:.2f} here), a task too hard for "
-    "the model or already learned (reward {reward:.3f}), or a reward_fn that never varies."
-)
-
-
-# The console line of a step: a part a metric, each a format of metrics.jsonl's keys, "| " starting a group. A part
-# whose keys the step lacks is left out; a metric a fork adds to the console is one more part here.
-STEP_LINE = [
-    "step {step}/{steps}",
-    "| reward {reward:.3f}",
-    "acc {accuracy:.2f}",
-    "[{reward_terms}]",  # with several reward terms: each one's mean
-    "| len {response_len:.0f}",
-    "cut {truncated:.2f}",  # the share of responses that --max_new_tokens cut off
-    "| ent {entropy:.2f}",
-    "kl {kl:.4f}",  # with --beta
-    "lr {lr:.0e}",
-    "| {time_step:.1f}s (gen {time_rollout:.1f} train {time_train:.1f} push {time_push:.1f})",
-    "eta {eta}",
-    "| stale {staleness_mean:.2f} max {staleness_max:.0f}",  # with --partial_rollouts
-    "| tool {tool_calls:.1f}/sample",  # with --tool
-    "| reward_errors {reward_errors:.0f}",  # when there are some
-    "| skipped_steps {skipped_steps:.0f}",  # when there are some
-]
-
-
-def step_line(step, metrics, cfg):
-    """The console line of STEP_LINE's parts, from the step's metrics."""
-    shown = dict(metrics, step=step + 1, steps=cfg.steps)
-    if "eta_s" in metrics:  # not before training
-        shown["eta"] = datetime.timedelta(seconds=round(metrics["eta_s"]))
-    terms = []
-    for key, value in metrics.items():
-        if key.startswith("reward/") and not key.endswith("/std"):
-            terms.append(f"{key.removeprefix('reward/')} {value:.2f}")
-    if len(terms) > 1:
-        shown["reward_terms"] = " ".join(terms)
-    hidden = [key for key in ("reward_errors", "skipped_steps") if not metrics.get(key)]
-    if cfg.beta == 0:
-        hidden.append("kl")  # only where --beta gives it a meaning
-    if not cfg.tool:
-        hidden.append("tool_calls")
-    return launch.format_parts(STEP_LINE, {key: shown[key] for key in shown if key not in hidden})
-
-
-def log_step(step, metrics, cfg, wandb_run, sample=None, tokenizer=None):
-    """The console line, a metrics.jsonl line and wandb; a sample at the first step and every --sample_every. Step
-    -1: the evaluation before training, logged as step 0."""
-    line = step_line(step, metrics, cfg)
-    evals = [f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_") and k != "eval_prompts"]
-    if evals:
-        line += f"\n  eval ({metrics['eval_prompts']:.0f} prompts): " + " | ".join(evals)
-    print(line, flush=True)
-    checkpoint.append_metrics(cfg.out_dir, step + 1, metrics)
-    if sample is not None and cfg.sample_every > 0 and (step == 0 or (step + 1) % cfg.sample_every == 0):
-        text = tokenizer.decode(sample.prompt_ids) + tokenizer.decode(sample.response_ids)  # wandb keeps the console
-        shaped = f", shaped {sample.shaped_reward:.3f}" if sample.shaped_reward != sample.reward else ""
-        print(f"  sample (reward {sample.reward:.3f}{shaped}):\n{text}", flush=True)
-    if wandb_run is not None:
-        wandb_run.log(metrics, step=step + 1)
+    maxima = dict(maxima, response_len_max=max(m["response_len"] for m in per_sample))
+    return metrics | launch.max_over_world(maxima, par)
 
 
 def evaluate(engine, tokenizer, test_set, workers, cfg, par):
     """Greedy accuracy, mean@k and pass@k (of k samples at --eval_temperature) on --eval_prompts held-out prompts,
     a response counted as training counts it (Sample.correct); and each reward term's mean over the greedy ones."""
-    dp_rank = par.mesh["dp"].get_local_rank()
-    dp = par.mesh["dp"].size()
-    items = [test_set[i] for i in range(dp_rank, min(cfg.eval_prompts, len(test_set)), dp)]
-
+    prompts = range(par.dp_rank, min(cfg.eval_prompts, len(test_set)), par.dp)  # this rank's share
+    items = [test_set[i] for i in prompts]
     unrouted = replace(cfg, routing_replay="off")  # nothing trains on these responses: no routing to ask for
     generate = functools.partial(generate_rollouts, engine, workers, tokenizer, items, unrouted, cfg.seed)
 
     def rollouts(n, temperature):  # a rank without items (more ranks than prompts) has none
         return launch.on_first_rank(par.tp_group, generate, temperature, n)[0]
 
-    sampled = torch.tensor([s.correct for s in rollouts(cfg.eval_k, cfg.eval_temperature)]).view(-1, cfg.eval_k)
+    sampled = rollouts(cfg.eval_k, cfg.eval_temperature)
+    correct = torch.tensor([s.correct for s in sampled]).view(-1, cfg.eval_k)  # [prompts, k]
     greedy = rollouts(1, 0.0)
-    sums = dict(
-        greedy=sum(s.correct for s in greedy),
-        mean_at_k=sampled.float().mean(1).sum(),
-        pass_at_k=sampled.any(1).sum(),
-        n=len(items),
-    )
+    sums = {
+        "eval_greedy_acc": sum(s.correct for s in greedy),
+        f"eval_mean@{cfg.eval_k}": correct.float().mean(1).sum(),
+        f"eval_pass@{cfg.eval_k}": correct.any(1).sum(),
+    }
     for name in test_set.reward_terms:  # the same names on every rank
         sums[f"eval_reward/{name}"] = sum(s.terms[name] for s in greedy)
-    totals = launch.sum_over_world(sums, par)
-    n = totals["n"]  # at least 1: --eval_prompts >= 1
-    metrics = {
-        "eval_greedy_acc": totals["greedy"] / n,
-        f"eval_mean@{cfg.eval_k}": totals["mean_at_k"] / n,
-        f"eval_pass@{cfg.eval_k}": totals["pass_at_k"] / n,
-    }
-    metrics |= {key: total / n for key, total in totals.items() if key.startswith("eval_reward/")}
-    return dict(metrics, eval_prompts=n)
+    totals = launch.sum_over_world(dict(sums, eval_prompts=len(items)), par)
+    n = totals["eval_prompts"]  # at least 1: --eval_prompts >= 1
+    return {key: total / n for key, total in totals.items()} | {"eval_prompts": n}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -868,9 +721,8 @@ def main():
     started = time.perf_counter()
     rank, world, device = launch.init_distributed()
     # The flags, read and checked on rank 0 while the others wait: a bad one is said once, before any model loads.
-    cfg = launch.on_first_rank(
-        dist.new_group(backend="gloo"), lambda: check_config(flags.parse(Config, PRESETS), world)
-    )
+    first = dist.new_group(backend="gloo")
+    cfg = launch.on_first_rank(first, lambda: flags.check_config(flags.parse(Config, PRESETS), world))
     par = launch.parallel_groups(device.type, cfg.tp)
     launch.on_first_rank(par.world_group, checkpoint.check_sources, cfg)  # --model, --data_path: there to read?
     train_set = PromptDataset(cfg, "train")
@@ -878,26 +730,15 @@ def main():
     terms = train_set.reward_terms  # the names of reward_fn's terms, where it returns a dict of them
     flags.check_terms(cfg, terms)  # --reward_weights, --accuracy_term
     tokenizer, model_config = checkpoint.load_tokenizer_and_config(cfg, [*train_set, *(test_set or [])])
-    files = [None]  # --model tiny and its siblings: random weights
-    if cfg.model not in checkpoint.TINY_MODELS:
-        files = launch.on_first_rank(par.world_group, checkpoint.weight_files, cfg.model)
-    resumed_from, start_step, wandb_id = launch.on_first_rank(
-        par.world_group, checkpoint.find_resume, cfg, model_config
-    )
+    files = launch.on_first_rank(par.world_group, checkpoint.weight_files, cfg.model)
     # The run folder, once every check passed: a run refused leaves it as it was. Notes on the flags said with them.
     notes = flags.start_notes(cfg, terms)
-    run_id = launch.on_first_rank(par.world_group, checkpoint.open_run_dir, cfg, start_step, wandb_id, notes)
-    checkpoint.check_every_rank_sees(cfg.out_dir, run_id, par.world_group)
-    wandb_run = None
-    if rank == 0 and cfg.wandb_project:
-        import wandb
-
-        wandb_run = wandb.run  # open_run_dir started it
-        wandb_id = wandb_run.id
+    resumed_from, start_step, wandb_id = checkpoint.open_run(cfg, model_config, notes, par.world_group)
+    log = logs.RunLog(cfg, rank, tokenizer)
     loading = f"loading {cfg.model} and the engine"
     if resumed_from:
         loading += f", resuming {resumed_from}"
-    with launch.announce(loading, rank):
+    with log.announce(loading):
         model = build_model(model_config, par.mesh, device, cfg.activation_checkpointing, cfg.lora_rank, cfg.lora_alpha)
         ref_model = None
         if cfg.beta > 0 and not cfg.lora_rank:  # LoRA's reference is the base: the policy with its adapters off
@@ -919,19 +760,17 @@ def main():
         reward_workers = sandbox.RewardWorkers(
             reward_fn, cfg.reward_workers, cfg.reward_timeout, terms, show_first_error=rank == 0
         )
-        engines.free_gpu_cache(par.tp_group)  # SGLang sizes itself from the free memory it sees at start
         engine = engines.start_engine(cfg, model_config, par, device)
     stop = launch.stop_on_signal(rank)
+    evaluating = f"evaluating on {min(cfg.eval_prompts, len(test_set or []))} held-out prompts"
     try:
         engine.release_memory()  # the first push, as every other, finds the engine's memory released
-        engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
+        engines.push_weights(model, engine, cfg.bucket_mb, par.tp_group)
         if cfg.eval_every > 0 and cfg.eval_before_train and start_step == 0:  # the baseline; a resume has it
-            with launch.announce(f"evaluating on {min(cfg.eval_prompts, len(test_set))} held-out prompts", rank):
+            with log.announce(evaluating):
                 baseline = evaluate(engine, tokenizer, test_set, reward_workers, cfg, par)
-            if rank == 0:
-                log_step(-1, baseline, cfg, wandb_run)
+            log.step(-1, baseline)
         run_start = time.perf_counter()
-        said_no_signal = False
         for step in range(start_step, cfg.steps):
             # Generate and reward G samples per prompt (dynamic sampling: maybe more rounds; partial rollouts: the
             # groups that ended, the rest in flight).
@@ -957,7 +796,7 @@ def main():
             token_sums, maxima = train_on_rollouts(model, optimizer, samples, cfg, par, step)
             train_done = time.perf_counter()
             # The new weights into the engine.
-            engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
+            engines.push_weights(model, engine, cfg.bucket_mb, par.tp_group)
             end = time.perf_counter()
             # Log, evaluate, save.
             metrics = step_metrics(samples, token_sums, maxima, errors, counts, cfg, par, step)
@@ -968,16 +807,11 @@ def main():
             dist.all_reduce(stopping, op=dist.ReduceOp.MAX, group=par.world_group)  # a signal to any rank stops all
             last = step + 1 == cfg.steps
             if cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):
-                with launch.announce(f"evaluating on {min(cfg.eval_prompts, len(test_set))} held-out prompts", rank):
+                with log.announce(evaluating):
                     metrics.update(evaluate(engine, tokenizer, test_set, reward_workers, cfg, par))
-            if rank == 0:
-                log_step(step, metrics, cfg, wandb_run, samples[0], tokenizer)
-            if rank == 0 and metrics["frac_reward_zero_std"] == 1 and not said_no_signal:
-                said_no_signal = True  # once: the cause is the same the next time
-                note = NO_SIGNAL.format(step=step + 1, max_new_tokens=cfg.max_new_tokens, **metrics)
-                print(textwrap.fill(note, 120, subsequent_indent="  "), flush=True)
+            log.step(step, metrics, samples[0])
             if stopping or last or (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0):
-                with launch.announce(f"saving the checkpoint of step {step + 1}", rank):
+                with log.announce(f"saving the checkpoint of step {step + 1}"):
                     weights = engines.full_weights(model, torch.float32)
                     path = checkpoint.save(
                         cfg, step + 1, model, optimizer, tokenizer, weights, wandb_id, par.world_group, in_flight
@@ -985,12 +819,8 @@ def main():
             if stopping:
                 break
     finally:  # no orphaned engine or reward processes, whatever ended the run
-        launch.shut_down(engine, reward_workers, wandb_run)
-    if rank == 0:  # the run's last line: where its results are, and how long it took
-        ending = "stopped" if stopping else "done"
-        wall = datetime.timedelta(seconds=round(time.perf_counter() - started))
-        line = f"{ending} after step {step + 1} in {wall}: checkpoint {path}, metrics {cfg.out_dir}/metrics.jsonl"
-        print(line + ("; continue with --resume auto" if stopping else ""), flush=True)
+        launch.shut_down(engine, reward_workers, log.wandb)
+    log.end(step, stopping, path, started)
     dist.barrier(group=par.world_group)  # gloo aborts a rank whose peer tears down first
     dist.destroy_process_group()
 

@@ -161,7 +161,7 @@ def stages(rank, world, folder):
     push_cfg = train.Config(engine="hf", bucket_mb=64)
 
     def push():  # as train.py: the full weights gathered, then loaded by the engine
-        engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, push_cfg.bucket_mb, par.tp_group)
+        engines.push_weights(model, engine, push_cfg.bucket_mb, par.tp_group)
 
     _, t_push, m_push = measure(push)
     g = torch.Generator().manual_seed(rank)

@@ -338,7 +338,7 @@ def bf16_logits():
 
 def push(model, engine, bucket_mb, par):
     """train.py's weight push: the policy's full weights into the engine, in buckets of bucket_mb."""
-    engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, bucket_mb, par.tp_group)
+    engines.push_weights(model, engine, bucket_mb, par.tp_group)
 
 
 def store_old_logprobs(model, samples, cfg, par):

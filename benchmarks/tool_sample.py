@@ -57,7 +57,7 @@ def main():
     engine = engines.start_engine(cfg, config, par, device)  # --engine's, owned by this one rank
     try:
         engine.release_memory()  # as main(): a push finds the engine's memory released
-        engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
+        engines.push_weights(model, engine, cfg.bucket_mb, par.tp_group)
         items = [train.PromptDataset(cfg, "test")[i] for i in range(args.n)]
         start = time.perf_counter()
         samples, _ = train.generate_rollouts(engine, workers, tokenizer, items, cfg, 0, cfg.temperature)

@@ -59,7 +59,7 @@ def run_setting(folder, setting, steps):
     largest = 0
     try:
         for step in range(steps + 1):  # the first, untimed: allocations and caches warm
-            engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
+            engines.push_weights(model, engine, cfg.bucket_mb, par.tp_group)
             start = time.perf_counter()
             samples, _, _ = train.collect_rollouts(engine, workers, dataset, tokenizer, None, cfg, step, par)
             rolled = time.perf_counter()

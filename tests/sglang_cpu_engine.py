@@ -686,8 +686,7 @@ def run_trainer_command(rank, shape, kind, options):
     mutate_buckets(options.get("rename", {}), options.get("reshape", {}))
     try:
         cfg = train.Config(engine="sglang", bucket_mb=options["bucket_mb"])
-        weights = engines.full_weights(model, trainer_engine.push_dtype)
-        engines.push_weights(weights, trainer_engine, cfg.bucket_mb, par.tp_group)
+        engines.push_weights(model, trainer_engine, cfg.bucket_mb, par.tp_group)
     finally:
         mutate_buckets({}, {})
         if engine is not None:

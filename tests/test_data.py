@@ -487,7 +487,7 @@ def test_cpu_preset_sets_its_values_and_keeps_other_defaults():
     assert (cfg.max_new_tokens, cfg.warmup_steps, cfg.micro_batch_size, cfg.out_dir) == (16, 0, 32, "runs/cpu")
     assert (cfg.train_size, cfg.test_size) == (1000, 100)
     assert (cfg.clip_low, cfg.clip_high, cfg.tp, cfg.seed) == (0.2, 0.28, 1, 0)  # not in the preset: defaults
-    train.check_config(cfg, world=2)
+    flags.check_config(cfg, world=2)
 
 
 def test_explicit_flag_wins_over_preset_in_either_order():
@@ -516,7 +516,7 @@ def test_a_mistyped_flag_is_one_line_naming_the_nearest_flag(flags, said, capsys
 
 
 @pytest.mark.parametrize(
-    "flags, world, flag",
+    "changes, world, flag",
     [
         (dict(tp=2), 3, "--tp"),
         (dict(tp=2, prompts_per_step=6), 8, "--prompts_per_step"),  # dp = 4
@@ -572,9 +572,9 @@ def test_a_mistyped_flag_is_one_line_naming_the_nearest_flag(flags, said, capsys
         (dict(max_staleness=0), 1, "--max_staleness must be a number from 1 up"),
     ],
 )
-def test_check_config_rejects_bad_flags_naming_the_flag(flags, world, flag):
+def test_check_config_rejects_bad_flags_naming_the_flag(changes, world, flag):
     with pytest.raises(SystemExit, match=flag):
-        train.check_config(train.Config(**flags), world)
+        flags.check_config(train.Config(**changes), world)
 
 
 @pytest.mark.parametrize(
@@ -599,25 +599,25 @@ def test_sglang_engine_on_a_machine_without_cuda_says_that_first(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no sglang either: CUDA is what to fix
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="--engine sglang needs a CUDA GPU: use --engine hf here"):
-        train.check_config(train.Config(engine="sglang"), 1)
+        flags.check_config(train.Config(engine="sglang"), 1)
 
 
 def test_sglang_engine_without_sglang_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # as where sglang is not installed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(SystemExit) as error:
-        train.check_config(train.Config(engine="sglang"), 1)
+        flags.check_config(train.Config(engine="sglang"), 1)
     assert "pip install -r requirements.txt" in str(error.value) and "--engine hf" in str(error.value)
 
 
 def test_check_config_accepts_valid_configs():
-    train.check_config(train.Config(), world=1)
-    train.check_config(train.Config(tp=2), world=8)  # dp 4: 8 prompts, 64 samples a rank
-    train.check_config(train.Config(prompts_per_step=8, group_size=3, num_minibatches=4), world=2)
-    train.check_config(train.Config(objective="dppo_kl", std_of="batch", scale_std=True), world=2)
-    train.check_config(train.Config(advantage="rloo", scale_std=False, objective="sapo"), world=1)
+    flags.check_config(train.Config(), world=1)
+    flags.check_config(train.Config(tp=2), world=8)  # dp 4: 8 prompts, 64 samples a rank
+    flags.check_config(train.Config(prompts_per_step=8, group_size=3, num_minibatches=4), world=2)
+    flags.check_config(train.Config(objective="dppo_kl", std_of="batch", scale_std=True), world=2)
+    flags.check_config(train.Config(advantage="rloo", scale_std=False, objective="sapo"), world=1)
     cfg = train.Config(reward_weights="correct=1, format=0.25,")  # spaces and a trailing comma are fine
-    assert flags.named_numbers(train.check_config(cfg, world=1), "reward_weights") == {"correct": 1.0, "format": 0.25}
+    assert flags.named_numbers(flags.check_config(cfg, world=1), "reward_weights") == {"correct": 1.0, "format": 0.25}
 
 
 def test_prompts_that_leave_no_room_for_max_new_tokens_stop_the_run_naming_the_flag_and_the_bound():

@@ -142,7 +142,7 @@ def push_then_generate(rank, world, folder, dp, tp):
     if owner:  # start from other weights, so a push that does nothing cannot pass
         engine.update([(n, torch.zeros_like(p)) for n, p in engine.model.named_parameters()], par.tp_group)
     bucket_mb = 1
-    engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, bucket_mb, par.tp_group)
+    engines.push_weights(model, engine, bucket_mb, par.tp_group)
     cfg = train.Config(group_size=3, max_new_tokens=8, temperature=1.0)
     items = [{"prompt": "ab", "task": "toy", "target": "a"}, {"prompt": "cde", "task": "toy", "target": "b"}]
     repeated = [item for item in items for _ in range(cfg.group_size)]  # G samples per prompt, as collect_rollouts

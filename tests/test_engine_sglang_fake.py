@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config
 pytest.importorskip("sglang.srt.utils", reason="needs sglang: pip install --no-deps -r requirements-sglang-cpu.txt")
 import engines  # noqa: E402
 import fake_sglang_engine  # noqa: E402
+import flags  # noqa: E402
 import launch  # noqa: E402
 import train  # noqa: E402
 from demo_model import demo_config  # noqa: E402
@@ -230,7 +231,7 @@ def push_through_fake(rank, world, folder, dp, tp, kind):
     pids = [None] * tp
     dist.all_gather_object(pids, str(os.getpid()), group=par.tp_group)
     engine.release_memory()  # as main does before the first push and after every step's rollouts
-    engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
+    engines.push_weights(model, engine, cfg.bucket_mb, par.tp_group)
     if not owner:
         peer = isinstance(engine, engines.SGLangPeer) and not hasattr(engine, "engine")  # no sglang.Engine here
         config_written = os.path.exists(os.path.join(cfg.out_dir, f"engine_model_rank{rank}"))
@@ -283,7 +284,7 @@ def test_released_memory_is_resumed_weights_first_then_kv_cache_after_the_flush(
         engine.release_memory()  # after the rollouts: both the KV cache and the weights
         assert [(c[0], sorted(c[1])) for c in fake.calls] == [("release", ["kv_cache", "weights"])]
         assert fake.offload_tags == {"kv_cache", "weights"}
-        engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
+        engines.push_weights(model, engine, cfg.bucket_mb, par.tp_group)
         buckets = expected_buckets([p.numel() * 2 for p in model.parameters()], 1 << 20)
         assert buckets >= 2 and fake.calls[1:] == push_calls(kind, buckets, 1)
         assert not fake.offload_tags
@@ -307,7 +308,7 @@ def test_a_failed_weight_update_raises_with_sglangs_message(sglang):
     engine.release_memory()
     cfg, par = train.Config(engine="sglang"), launch.parallel_groups("cpu", 1)
     with pytest.raises(RuntimeError, match="SGLang weight update failed: boom"):
-        engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
+        engines.push_weights(model, engine, cfg.bucket_mb, par.tp_group)
     assert [c[0] for c in fake.calls] == ["release", "resume", "update"]  # the first bucket stops the push
 
 
@@ -439,7 +440,7 @@ def test_sglang_engine_without_a_gpu_says_to_use_the_hf_engine(sglang):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(SystemExit, match="--engine hf"):
-        train.check_config(train.Config(engine="sglang"), 1)
+        flags.check_config(train.Config(engine="sglang"), 1)
 
 
 # ----------------------------------------------------------------------------- teardown

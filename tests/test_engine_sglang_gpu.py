@@ -101,7 +101,7 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
     engine = engines.start_engine(cfg, config, par, device)  # this one-rank job owns the engine
 
     def push():  # as main
-        engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, cfg.bucket_mb, par.tp_group)
+        engines.push_weights(model, engine, cfg.bucket_mb, par.tp_group)
 
     try:
         assert os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] == "false"
@@ -119,7 +119,7 @@ def test_sglang_engine_takes_pushed_weights_and_gives_memory_back(tmp_path):
         assert first[0] < MEAN_TOL and first[1] < MAX_TOL
         # Top-p sampling (with train.py's bound on top_k): SGLang's kept sets and renormalised log-probs against the
         # trainer's renormalised over the same sets, and against its full-vocabulary ones (the bias before).
-        truncated = dataclasses.replace(cfg, top_p=0.9, top_k=train.MAX_KEPT)
+        truncated = dataclasses.replace(cfg, top_p=0.9, top_k=engines.MAX_KEPT)
         samples = rollout(engine, truncated, prompts)
         renormalised, full = [mismatch(model, samples, c, par.mesh["tp"]) for c in (truncated, cfg)]
         print(

@@ -122,7 +122,7 @@ def test_the_sglang_path_drives_sglang_as_train_py_does_and_starts_the_bf16_engi
         isinstance(p, list) and all(q["stop_token_ids"] == [] and q["max_new_tokens"] == 8 for q in p) for p in generate
     )
     assert {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "ignore_eos": True} in generate
-    # The log-prob rows at top_p 0.9 sample as train.py does: top_k bounded by train.MAX_KEPT, kept sets asked for.
+    # The log-prob rows at top_p 0.9 sample as train.py does: top_k bounded by engines.MAX_KEPT, kept sets asked for.
     calls = [c[2] for e in engines[1:] for c in e["calls"] if c[0] == "generate" and isinstance(c[2], list)]
     truncated = [params for params in calls if params[0]["top_p"] == 0.9]
     assert truncated and all(q["top_k"] == 512 for params in truncated for q in params)

@@ -392,7 +392,7 @@ def test_the_cpu_demo_with_lora_learns_the_toy_reward(tmp_path):
 )
 def test_a_bad_lora_flag_is_refused_in_one_line_naming_it(flag, value):
     with pytest.raises(SystemExit) as refused:
-        train.check_config(flags.parse(train.Config, train.PRESETS, ["--preset", "cpu", flag, value]), 2)
+        flags.check_config(flags.parse(train.Config, train.PRESETS, ["--preset", "cpu", flag, value]), 2)
     message = str(refused.value)
     assert message.startswith(f"{flag} must be ") and "\n" not in message and value in message.lower()
 

@@ -138,7 +138,7 @@ def generate_across_a_push(rank, world, folder):
     versions = {}
     try:
         for version in (0, 1):
-            engines.push_weights(engines.full_weights(model, torch.float32), engine, cfg.bucket_mb, par.tp_group)
+            engines.push_weights(model, engine, cfg.bucket_mb, par.tp_group)
             versions[version] = {k: v.clone() for k, v in engine.model.state_dict().items()}
             running = [s for s in samples if not s.ended]
             train.generate_turn(engine, workers, tokenizer, running, cfg, 11 + version, 1.0, 4, version)

@@ -74,7 +74,7 @@ def handshake(rank, world, folder):
     engine = SlowLoads(owner=rank == 0)
     with GatheredBytes() as gathers:
         # --bucket_mb 0: a bucket per tensor
-        engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, 0, par.tp_group)
+        engines.push_weights(model, engine, 0, par.tp_group)
     return engine.loaded, engine.entered, gathers.starts
 
 
@@ -128,7 +128,7 @@ def memory_order(rank, world, folder):
     engine = LastBucketWatch(events)
     torch.cuda.is_available = lambda: True
     try:
-        engines.push_weights(engines.full_weights(model, engine.push_dtype), engine, 0, par.tp_group)
+        engines.push_weights(model, engine, 0, par.tp_group)
     finally:
         for name, function in cuda.items():
             setattr(torch.cuda, name, function)

@@ -224,12 +224,12 @@ def partial_routing_across_a_push(rank, world, folder):
     recomputed = {}
     try:
         for step in (0, 1, 2):
-            engines.push_weights(engines.full_weights(model, torch.float32), engine, cfg.bucket_mb, par.tp_group)
+            engines.push_weights(model, engine, cfg.bucket_mb, par.tp_group)
             samples += train.partial_rollouts(engine, workers, dataset, tokenizer, in_flight, cfg, step, 0, 1)[0]
             flip_routers(model)  # the policy moves: the next push is another version
         samples += [s for g in in_flight.groups for s in g.samples]
         for parity in (1, 0):  # three flips: the odd versions' routers first
-            engines.push_weights(engines.full_weights(model, torch.float32), engine, cfg.bucket_mb, par.tp_group)
+            engines.push_weights(model, engine, cfg.bucket_mb, par.tp_group)
             recomputed[parity] = engine_routing_recomputed(engine, samples)
             flip_routers(model)
     finally:

@@ -400,7 +400,7 @@ def test_python_train_py_runs_as_one_process_without_torchrun(tmp_path):
 def open_run_dir(rank, world, out_dir):
     """As train.main: rank 0 opens the run folder at start step 2, then every rank checks that it sees it."""
     cfg, par = train.Config(out_dir=out_dir), launch.parallel_groups("cpu", 1)
-    run_id = launch.on_first_rank(par.world_group, checkpoint.open_run_dir, cfg, 2, None)
+    run_id, _ = launch.on_first_rank(par.world_group, checkpoint.open_run_dir, cfg, 2, None)
     checkpoint.check_every_rank_sees(cfg.out_dir, run_id, par.world_group)
 
 
