@@ -50,6 +50,7 @@ from transformers import (
 )
 
 import architectures
+import engines
 import launch
 import reward
 
@@ -355,10 +356,10 @@ def training_state(model, optimizer):
     return {"model": trained, "optim": get_optimizer_state_dict(model, optimizer)}
 
 
-def save(cfg, step, model, optimizer, tokenizer, full_weights, wandb_id, world_group, in_flight=None):
-    """checkpoints/step_N, written as step_N.tmp and then renamed; `full_weights` yields (HF name, full fp32 tensor)
-    for hf/, on every rank (gathering is a collective). Data, sampling and the learning rate follow from the step;
-    with --partial_rollouts, in_flight.pt holds each dp rank's responses in flight (`in_flight`, its engine's)."""
+def save(cfg, step, model, optimizer, tokenizer, wandb_id, world_group, in_flight=None):
+    """checkpoints/step_N, written as step_N.tmp and then renamed, by every rank (gathering the full weights for hf/
+    is a collective). Data, sampling and the learning rate follow from the step; with --partial_rollouts,
+    in_flight.pt holds each dp rank's responses in flight (`in_flight`, its engine's)."""
     rank = dist.get_rank()
     final = os.path.join(cfg.out_dir, "checkpoints", f"step_{step:06d}")
     tmp = final + ".tmp"
@@ -372,7 +373,7 @@ def save(cfg, step, model, optimizer, tokenizer, full_weights, wandb_id, world_g
         if cfg.partial_rollouts:
             save_in_flight(in_flight.state(), f"{tmp}/in_flight.pt", cfg.tp, world_group)
         weights = {}
-        for name, tensor in full_weights:
+        for name, tensor in engines.full_weights(model, torch.float32):
             if rank == 0:
                 weights[name] = tensor.cpu()
         adapters = {}

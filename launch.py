@@ -109,6 +109,13 @@ def sum_over_world(values, par):
     return dict(zip(values, totals.tolist()))
 
 
+def any_rank(flag, par):
+    """Whether `flag` holds on any rank (a stop one rank was asked for is every rank's)."""
+    flags = torch.tensor(int(flag))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=par.world_group)
+    return bool(flags)
+
+
 def means_over_world(per_token, per_sample, counts, par):
     """A step's means over all ranks: of the sums in `per_token` over the sampled tokens (counts["tokens"]), of the
     values in `per_sample` (a dict a sample, the same keys on every rank) over the samples (counts["samples"]), with

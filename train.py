@@ -198,7 +198,12 @@ class Sample:
 # ----------------------------------------------------------------------------------------------------------------
 # Model and mesh: tensor parallelism in each decoder layer, then FSDP
 
-KL_ESTIMATORS = {"k1": lambda x: x, "k2": lambda x: x**2 / 2, "k3": lambda x: torch.expm1(-x) + x}
+# Schulman's estimators of KL(policy || reference) from x = log p - log p_ref of a token sampled from the policy.
+KL_ESTIMATORS = {
+    "k1": lambda x: x,
+    "k2": lambda x: x**2 / 2,
+    "k3": lambda x: torch.expm1(-x) + x,
+}
 
 
 def build_model(model_config, mesh, device, activation_checkpointing=False, lora_rank=0, lora_alpha=32.0):
@@ -417,9 +422,8 @@ def response_logprobs(model, samples, cfg, tp_mesh):
     """Log-probs, entropies and log kept masses [N] of the sampled response tokens; lm_head per --logprob_chunk,
     recomputed. With truncated sampling, log p is renormalised over each token's kept set. And the routed experts'
     load-balancing loss and tokens per expert [layers, experts] (architectures.routing; none for a dense model)."""
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
     device = torch.device(tp_mesh.device_type)
-    ids, mask = launch.padded(seqs, device)
+    ids, mask = launch.padded([s.prompt_ids + s.response_ids for s in samples], device)
     engine_routing = architectures.engine_routing(samples, ids.shape[1], model.config, device)  # --routing_replay's
     model.replay = engine_routing if cfg.routing_replay == "on" else None  # its experts replayed by the forward
     out = model(
@@ -429,11 +433,8 @@ def response_logprobs(model, samples, cfg, tp_mesh):
         output_hidden_states=True,
         output_router_logits=True,  # routed experts': a dense model takes no such output
     )
-    last = out.hidden_states[-1]  # the final norm's output [B, T, H]; position t predicts token t + 1
-    positions = [last[b, len(s.prompt_ids) - 1 : len(seqs[b]) - 1] for b, s in enumerate(samples)]
-    sampled = torch.tensor([m for s in samples for m in s.sampled], dtype=torch.bool, device=device)  # not tool output
-    hidden = torch.cat(positions)[sampled]
-    targets = torch.tensor([t for s in samples for t in s.response_ids], dtype=torch.long, device=device)[sampled]
+    # The final norm's output [B, T, H] at the positions that predict the sampled tokens.
+    hidden, targets = vocab_parallel.sampled_tokens(out.hidden_states[-1], samples)
     kept = None
     if cfg.truncated_sampling:
         kept = vocab_parallel.kept_sets(samples).to(device)
@@ -803,8 +804,7 @@ def main():
             metrics.update(time_rollout=rollout_done - start, time_train=train_done - rollout_done)
             metrics.update(time_push=end - train_done, time_step=end - start, lr=optimizer.param_groups[0]["lr"])
             metrics["eta_s"] = (end - run_start) / (step + 1 - start_step) * (cfg.steps - step - 1)  # rank 0's
-            stopping = torch.tensor(int(stop.is_set()))
-            dist.all_reduce(stopping, op=dist.ReduceOp.MAX, group=par.world_group)  # a signal to any rank stops all
+            stopping = launch.any_rank(stop.is_set(), par)  # a signal to any rank stops all
             last = step + 1 == cfg.steps
             if cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):
                 with log.announce(evaluating):
@@ -812,9 +812,8 @@ def main():
             log.step(step, metrics, samples[0])
             if stopping or last or (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0):
                 with log.announce(f"saving the checkpoint of step {step + 1}"):
-                    weights = engines.full_weights(model, torch.float32)
                     path = checkpoint.save(
-                        cfg, step + 1, model, optimizer, tokenizer, weights, wandb_id, par.world_group, in_flight
+                        cfg, step + 1, model, optimizer, tokenizer, wandb_id, par.world_group, in_flight
                     )
             if stopping:
                 break

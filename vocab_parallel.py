@@ -91,6 +91,20 @@ def chunked_logprobs(hidden, lm_head_weight, targets, kept, temperature, chunk, 
     return [torch.cat(values) for values in zip(*results)]
 
 
+def sampled_tokens(hidden_states, samples):
+    """The sampled response tokens of `samples` (a micro-batch: each row its prompt, then its response, then
+    padding) [N], and the hidden states that predict them [N, H]: position t predicts token t + 1. Tool output,
+    which was not sampled, is left out."""
+    device = hidden_states.device
+    positions = []
+    for row, s in enumerate(samples):
+        start = len(s.prompt_ids) - 1
+        positions.append(hidden_states[row, start : start + len(s.response_ids)])
+    sampled = torch.tensor([m for s in samples for m in s.sampled], dtype=torch.bool, device=device)
+    targets = torch.tensor([t for s in samples for t in s.response_ids], dtype=torch.long, device=device)
+    return torch.cat(positions)[sampled], targets[sampled]
+
+
 def kept_sets(samples):
     """The samples' kept sets (train.Sample's kept_ids, one set after another, and kept_sizes) as [sampled tokens,
     the largest set] of ids, -1 beyond a token's set."""
