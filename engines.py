@@ -16,11 +16,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 import architectures
 import launch
 import lora
+import stopping
 
 # Truncated sampling keeps at most this many tokens per sampled token (--top_k's bound, and with --top_p alone its
 # value): the trainer stores each kept set (as prime-rl, whose default it is), and SGLang reports them up to a bound.
@@ -109,6 +110,7 @@ class HFEngine(Engine):
                 pad_token_id=0,
                 return_dict_in_generate=True,
                 output_scores=True,
+                stopping_criteria=StoppingCriteriaList([StopAsked()]),
                 **sampling,
             )
         # What was sampled from: logits / temperature, -inf where top_k or top_p removed a token.
@@ -147,6 +149,15 @@ class HFEngine(Engine):
                 routing = chosen.new_zeros(rows, chosen.shape[1], config.num_hidden_layers, chosen.shape[-1])
             routing[:, :, layer] = chosen
         return routing.cpu().to(architectures.routing_dtype(config))
+
+
+class StopAsked(StoppingCriteria):
+    """Looked at by HF generate after each token: the rollouts given up there (stopping.Interrupted) once a stop
+    leaves no time to finish the step. It never ends a sequence itself."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        stopping.check()
+        return torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
 
 
 def start_engine(cfg, model_config, par, device):
@@ -216,8 +227,9 @@ class SGLangEngine(SGLangPeer):
         os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "false"  # GPUs >10% apart in free memory: safe
         config_dir = os.path.join(cfg.out_dir, f"engine_model_rank{dist.get_rank()}")  # read from disk by SGLang
         architectures.engine_config(model_config).save_pretrained(config_dir)
-        # The engine's processes inherit ignored SIGINT / SIGTERM: torchrun's signals are the trainer's to act on.
-        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # The engine's processes inherit ignored stop signals (SIGINT, SIGTERM, SIGUSR1): a stop is the trainer's to
+        # act on, and torchrun and batch systems send their signals to every process.
+        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stopping.SIGNALS}
         routing = {}  # --routing_replay: its capturer of each token's experts, started with the engine
         if cfg.routing_replay != "off":
             routing["enable_return_routed_experts"] = True
@@ -254,9 +266,10 @@ class SGLangEngine(SGLangPeer):
         if routing_from is not None:
             routing = dict(return_routed_experts=True, routed_experts_start_len=min(routing_from))
         if temperature > 0 and (top_p < 1 or top_k > 0):
-            outputs = self.generate_truncated(prompts, sampling, routing)
+            outputs = self.interruptible(self.generate_truncated, prompts, sampling, routing)
         else:
-            outputs = self.engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True, **routing)
+            request = dict(input_ids=prompts, sampling_params=sampling, return_logprob=True, **routing)
+            outputs = self.interruptible(self.engine.generate, **request)
         results = []
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
@@ -277,6 +290,29 @@ class SGLangEngine(SGLangPeer):
                 (out["output_ids"], torch.tensor(logprobs, dtype=torch.float32), kept_ids, kept_sizes, experts)
             )
         return results
+
+    def interruptible(self, generate, *args, **kwargs):
+        """generate(*args, **kwargs), its requests aborted once a stop leaves no time to finish the step (looked at
+        every second while the engine's event loop runs them): then stopping.Interrupted."""
+        self.aborted = False
+        self.watcher = self.engine.loop.call_later(1.0, self.watch)
+        try:
+            outputs = generate(*args, **kwargs)
+        except Exception:
+            if not self.aborted:
+                raise
+        finally:
+            self.watcher.cancel()
+        if self.aborted:  # SGLang answers aborted requests with what they had, or raises for those it had not run
+            raise stopping.Interrupted
+        return outputs
+
+    def watch(self):
+        if stopping.STOP.due():
+            self.aborted = True
+            self.engine.tokenizer_manager.abort_request(abort_all=True)
+        else:
+            self.watcher = self.engine.loop.call_later(1.0, self.watch)
 
     def generate_truncated(self, prompts, sampling, routing):
         """Top-p / top-k sampling with each token's kept set, and its log-prob renormalised over that set, as SGLang

@@ -1,7 +1,6 @@
 """How train.py runs as processes under torchrun: the process group, the (dp, tp) device mesh and gloo groups, work
 done once on a group's first rank, what the ranks must do alike (sums over the world, as many micro-batches on every
-rank, the global grad norm over dp's and tp's meshes), stopping on a signal, and every rank exiting together with
-rank 0 saying why.
+rank, the global grad norm over dp's and tp's meshes), and every rank exiting together with rank 0 saying why.
 
 Machinery a researcher rarely edits; `python train.py` (one process, no torchrun) goes through the same code.
 """
@@ -11,9 +10,7 @@ import datetime
 import logging
 import math
 import os
-import signal
 import sys
-import threading
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -22,6 +19,8 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import stopping
 
 
 def init_distributed():
@@ -87,15 +86,16 @@ def parallel_groups(device_type, tp):
 
 
 def on_first_rank(group, work, *args):
-    """work(*args) on the group's first rank, sent to the group: one answer; a SystemExit there stops every rank."""
+    """work(*args) on the group's first rank, sent to the group: one answer; a SystemExit there (a check made on one
+    rank) stops every rank, and an Interrupted there (rollouts a stop gave up) is every rank's."""
     box = [None]
     if dist.get_rank(group) == 0:
         try:
             box[0] = work(*args)
-        except SystemExit as error:  # a check made on one rank: the others would fail in the next collective
+        except (SystemExit, stopping.Interrupted) as error:  # the others would fail in the next collective
             box[0] = error
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    if isinstance(box[0], SystemExit):
+    if isinstance(box[0], (SystemExit, stopping.Interrupted)):
         raise box[0]
     return box[0]
 
@@ -186,21 +186,6 @@ def clip_grad_norm(model, max_norm):
         for grads in by_mesh.values():
             torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
     return norm
-
-
-def stop_on_signal(rank):
-    """An event set by SIGTERM or Ctrl-C: the run finishes its step, saves and exits (README: stop and resume)."""
-    stop = threading.Event()
-
-    def request_stop(signum, frame):
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C raises KeyboardInterrupt
-        if rank == 0 and not stop.is_set():
-            print(f"{signal.Signals(signum).name}: finishing this step, then saving a checkpoint", flush=True)
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, request_stop)
-    return stop
 
 
 def shut_down(engine, reward_workers, wandb_run):

@@ -1,6 +1,7 @@
 """What a run says, for train.py: on rank 0, progress lines, each step's console line (STEP_LINE), a sampled response
 now and then, a note when a step learned nothing and the run's last line; each step's metrics as a line of
-metrics.jsonl (checkpoint.append_metrics) and to wandb. The other ranks say nothing.
+metrics.jsonl (checkpoint.append_metrics) and to wandb; and status.json, how the run ended. The other ranks say
+nothing.
 
 Machinery a researcher rarely edits: a metric is defined in train.step_metrics and logged with no edit here; to show
 it on the console too, add a part to STEP_LINE.
@@ -8,11 +9,15 @@ it on the console too, add a part to STEP_LINE.
 
 import contextlib
 import datetime
+import json
+import os
+import pathlib
 import string
 import textwrap
 import time
 
 import checkpoint
+import stopping
 
 # The console line of a step: a part a metric, each a format of metrics.jsonl's keys, "| " starting a group. A part
 # whose keys the step lacks is left out; a metric a fork adds to the console is one more part here.
@@ -84,6 +89,8 @@ class RunLog:
 
             self.wandb = wandb.run  # checkpoint.open_run started it
         self.said_no_signal = False
+        if self.speaks:
+            self.status("running")
 
     @contextlib.contextmanager
     def announce(self, what):
@@ -120,11 +127,22 @@ class RunLog:
             note = NO_SIGNAL.format(step=step + 1, max_new_tokens=cfg.max_new_tokens, **metrics)
             print(textwrap.fill(note, 120, subsequent_indent="  "), flush=True)
 
-    def end(self, step, stopped, path, started):
-        """The run's last line: where its results are, and how long it took since `started`."""
+    def end(self, steps, stopped, path, started):
+        """The run's last line: where its results are, and how long it took since `started`; and status.json, which
+        tells a batch script whether it stopped (to be resumed: slurm/train.sbatch requeues it) or is done."""
         if not self.speaks:
             return
         ending = "stopped" if stopped else "done"
+        self.status(ending, step=steps, checkpoint=path, why=stopping.STOP.why)
+        stopping.STOP.answered()
         wall = datetime.timedelta(seconds=round(time.perf_counter() - started))
-        line = f"{ending} after step {step + 1} in {wall}: checkpoint {path}, metrics {self.cfg.out_dir}/metrics.jsonl"
+        saved = path or "none (no step ended: the next run starts afresh)"
+        line = f"{ending} after step {steps} in {wall}: checkpoint {saved}, metrics {self.cfg.out_dir}/metrics.jsonl"
         print(line + ("; continue with --resume auto" if stopped else ""), flush=True)
+
+    def status(self, status, **details):
+        """status.json in --out_dir: "running" from the start, then "done" or "stopped"; anything else (an error,
+        a kill) leaves "running"."""
+        file = pathlib.Path(self.cfg.out_dir, "status.json")
+        file.with_suffix(".tmp").write_text(json.dumps(dict(status=status, **details)) + "\n")
+        os.replace(file.with_suffix(".tmp"), file)  # whole, or the one before it

@@ -38,6 +38,8 @@ import threading
 import time
 import traceback
 
+import stopping
+
 # ----------------------------------------------------------------------------------------------------------------
 # the Python tool: model-written code, run where it can hurt nothing but itself (run_python)
 
@@ -430,7 +432,10 @@ def _serve(connection: socket.socket) -> None:
     """A worker: calls each (function, args) that arrives (reward_fn's or the tool's) until the trainer closes the
     connection."""
     os.setsid()  # its own session and process group: signals sent to the trainer's group are the trainer's
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's handler, which a replacement inherits
+    # Not the trainer's stop handler, which a replacement inherits: a batch system signals every process of a job,
+    # and a worker is the trainer's to end (it kills it, and the worker dies with it).
+    for sig in stopping.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux): killed when the trainer dies
     except (OSError, AttributeError):
@@ -491,7 +496,7 @@ class RewardWorkers:
         calls = []
         for completion, item in zip(completions, items):
             calls.append((_reward_or_error, (self.reward_fn, completion, item, self.timeout, self.terms)))
-        results, failed = self._run(calls, self.timeout + 1.0, "reward_fn")
+        results, failed = self._run(calls, self.timeout + 1.0, "reward_fn", interruptible=True)
         for i, why in failed.items():
             results[i] = (_failed(self.terms), f"{why}: scored 0, and the worker replaced")
         errors = [error for _, error in results if error]
@@ -505,10 +510,13 @@ class RewardWorkers:
         outputs, failed = self._run([(run_python, (code,)) for code in codes], TOOL_TIMEOUT + 5.0, "tool")
         return [f"error: {failed[i]}" if i in failed else output for i, output in enumerate(outputs)]
 
-    def _run(self, calls: list[tuple], seconds: float, what: str) -> tuple[list, dict[int, str]]:
+    def _run(
+        self, calls: list[tuple], seconds: float, what: str, interruptible: bool = False
+    ) -> tuple[list, dict[int, str]]:
         """Each (function, args) called in a free worker; the results in order, and why each call that has none failed:
         its worker died, or did not answer within `seconds` of being sent the call, sending and answering included
-        (stuck where SIGALRM cannot reach, or stopped by SIGSTOP): then it is killed and replaced."""
+        (stuck where SIGALRM cannot reach, or stopped by SIGSTOP): then it is killed and replaced. `interruptible`:
+        stopping.Interrupted, looked for every second, once a stop gives up the step's rollouts."""
         # Calls travel as pickle's bytes: SGLang patches multiprocessing's own pickling of tensors for CUDA IPC in
         # the trainer's process, after which it fails on a CPU tensor that a row may hold.
         waiting = [(i, pickle.dumps(call)) for i, call in enumerate(calls)][::-1]
@@ -518,6 +526,8 @@ class RewardWorkers:
         died = f"its {what} worker died"
         late = f"its {what} worker did not answer within {seconds:g} s (stuck where SIGALRM cannot reach, or stopped)"
         while waiting or busy:
+            if interruptible:
+                stopping.check()
             failures = {}  # worker index -> why its call failed
             for w in range(len(self.workers)):
                 if w not in busy and waiting:
@@ -531,6 +541,7 @@ class RewardWorkers:
                         failures[w] = late if isinstance(error, TimeoutError) else died
             answering = [w for w in busy if w not in failures]
             wait = max(0.0, min((busy[w][1] for w in answering), default=0.0) - time.monotonic())
+            wait = min(wait, 1.0)  # a stop looked for every second
             ready = multiprocessing.connection.wait([self.workers[w][1] for w in answering], wait)
             for w in answering:
                 i, deadline = busy[w]

@@ -38,6 +38,7 @@ import logs
 import lora
 import reward
 import sandbox
+import stopping
 import vocab_parallel
 from flags import Above, AtLeast
 from inflight import Group, InFlight
@@ -118,8 +119,9 @@ class Config:
     eval_prompts: Count = 256  # held-out prompts per evaluation
     eval_k: Count = 4  # samples per prompt for mean@k and pass@k
     eval_temperature: NonNegative = 1.0
-    save_every: Natural = 50  # checkpoint every N steps; always at the end and when stopped by a signal
+    save_every: Natural = 50  # checkpoint every N steps; always at the end and when stopped (--stop_grace)
     keep_checkpoints: Count = 2  # the newest K complete checkpoints are kept
+    stop_grace: NonNegative = 25.0  # seconds from a stop (SIGTERM, SIGUSR1, Ctrl-C) to its checkpoint on disk
     resume: str = ""  # a checkpoint folder, or "auto": the newest complete one under out_dir (if any)
     reward_workers: Count = min(4, launch.usable_cpus())  # processes computing rewards in parallel
     reward_timeout: Annotated[float, AtLeast(0.001)] = 5.0  # seconds before a reward_fn call is cut off; it scores 0
@@ -762,8 +764,16 @@ def main():
             reward_fn, cfg.reward_workers, cfg.reward_timeout, terms, show_first_error=rank == 0
         )
         engine = engines.start_engine(cfg, model_config, par, device)
-    stop = launch.stop_on_signal(rank)
+    stopping.STOP.listen(cfg.stop_grace, cfg.out_dir, speaks=rank == 0)  # SIGTERM, SIGINT, SIGUSR1, out_dir/STOP
     evaluating = f"evaluating on {min(cfg.eval_prompts, len(test_set or []))} held-out prompts"
+    saved = start_step  # the steps after which the newest checkpoint (or, before any, the start) holds the run
+    path = resumed_from
+    stop = interrupted = False
+
+    def save(steps):  # every rank, the state after `steps` steps
+        with log.announce(f"saving the checkpoint of step {steps}"):
+            return checkpoint.save(cfg, steps, model, optimizer, tokenizer, wandb_id, par.world_group, in_flight)
+
     try:
         engine.release_memory()  # the first push, as every other, finds the engine's memory released
         engines.push_weights(model, engine, cfg.bucket_mb, par.tp_group)
@@ -774,10 +784,14 @@ def main():
         run_start = time.perf_counter()
         for step in range(start_step, cfg.steps):
             # Generate and reward G samples per prompt (dynamic sampling: maybe more rounds; partial rollouts: the
-            # groups that ended, the rest in flight).
+            # groups that ended, the rest in flight). A stop that leaves no time to end the step gives them up.
             start = time.perf_counter()
             rollouts = (engine, reward_workers, train_set, tokenizer, in_flight, cfg, step, par)
-            samples, errors, counts = collect_rollouts(*rollouts)
+            rollout = stopping.STOP.interruptible(collect_rollouts, *rollouts)
+            interrupted = launch.any_rank(rollout is None, par)  # given up on one rank: on every rank
+            if interrupted:
+                break
+            samples, errors, counts = rollout
             engine.release_memory()
             rollout_done = time.perf_counter()
             # Log-probs before the update. The first mini-batch is trained on the policy that sampled it, whose
@@ -804,22 +818,24 @@ def main():
             metrics.update(time_rollout=rollout_done - start, time_train=train_done - rollout_done)
             metrics.update(time_push=end - train_done, time_step=end - start, lr=optimizer.param_groups[0]["lr"])
             metrics["eta_s"] = (end - run_start) / (step + 1 - start_step) * (cfg.steps - step - 1)  # rank 0's
-            stopping = launch.any_rank(stop.is_set(), par)  # a signal to any rank stops all
+            stop = launch.any_rank(stopping.STOP.asked(), par)  # asked of one rank: of every rank
             last = step + 1 == cfg.steps
             if cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):
                 with log.announce(evaluating):
                     metrics.update(evaluate(engine, tokenizer, test_set, reward_workers, cfg, par))
             log.step(step, metrics, samples[0])
-            if stopping or last or (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0):
-                with log.announce(f"saving the checkpoint of step {step + 1}"):
-                    path = checkpoint.save(
-                        cfg, step + 1, model, optimizer, tokenizer, wandb_id, par.world_group, in_flight
-                    )
-            if stopping:
+            if stop or last or (cfg.save_every > 0 and (step + 1) % cfg.save_every == 0):
+                path = save(step + 1)
+                saved = step + 1
+            stopping.STOP.step_ended(saved == step + 1)
+            if stop:
                 break
+        if interrupted and saved < step:  # the state after the last step that ended, which no checkpoint holds
+            path = save(step)
+            saved = step
     finally:  # no orphaned engine or reward processes, whatever ended the run
         launch.shut_down(engine, reward_workers, log.wandb)
-    log.end(step, stopping, path, started)
+    log.end(saved, stop or interrupted, path, started)
     dist.barrier(group=par.world_group)  # gloo aborts a rank whose peer tears down first
     dist.destroy_process_group()
 
