@@ -116,6 +116,13 @@ def any_rank(flag, par):
     return bool(flags)
 
 
+def gathered(tensor, group):
+    """Every rank's `tensor` (the same shape on each) of `group`, joined in rank order."""
+    every_rank = [torch.zeros_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every_rank, tensor, group=group)
+    return torch.cat(every_rank)
+
+
 def means_over_world(per_token, per_sample, counts, par):
     """A step's means over all ranks: of the sums in `per_token` over the sampled tokens (counts["tokens"]), of the
     values in `per_sample` (a dict a sample, the same keys on every rank) over the samples (counts["samples"]), with

@@ -140,10 +140,26 @@ class Config:
         return self.top_p < 1 or self.top_k > 0
 
 
-# The CPU demo: what runs, the batch, the schedule.
-CPU_PRESET = dict(model="tiny", task="toy", engine="hf", out_dir="runs/cpu", train_size=1000, test_size=100)
-CPU_PRESET.update(steps=30, prompts_per_step=8, group_size=8, max_new_tokens=16, micro_batch_size=32, lr=1e-2)
-CPU_PRESET.update(warmup_steps=0, eval_every=10, eval_prompts=16, save_every=0, reward_workers=2)
+# --preset's values, under the flags given. The CPU demo's: what runs, the batch, the schedule.
+CPU_PRESET = {
+    "model": "tiny",
+    "task": "toy",
+    "engine": "hf",
+    "out_dir": "runs/cpu",
+    "train_size": 1000,
+    "test_size": 100,
+    "steps": 30,
+    "prompts_per_step": 8,
+    "group_size": 8,
+    "max_new_tokens": 16,
+    "micro_batch_size": 32,
+    "lr": 1e-2,
+    "warmup_steps": 0,
+    "eval_every": 10,
+    "eval_prompts": 16,
+    "save_every": 0,
+    "reward_workers": 2,
+}
 PRESETS = {"cpu": CPU_PRESET}
 
 
@@ -151,7 +167,8 @@ def step_items(dataset, step, cfg, dp_rank, dp, sampling_round=0):
     """This rank's prompts for a step, from a seeded permutation per (epoch, dynamic sampling round)."""
     epoch, i = divmod(step, len(dataset) // cfg.prompts_per_step)
     seed = hash((cfg.seed, epoch, sampling_round))  # a tuple of ints hashes the same in every process
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    shuffle = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(dataset), generator=shuffle).tolist()
     per_rank = cfg.prompts_per_step // dp
     start = i * cfg.prompts_per_step + dp_rank * per_rank
     return [dataset[j] for j in order[start : start + per_rank]]
@@ -243,8 +260,9 @@ def generate_rollouts(engine, workers, tokenizer, items, cfg, seed, temperature,
     """On the engine's rank: n samples per item, each generated to its end, by the policy of step `version`, and
     scored; and why the failed reward_fn calls failed. With --tool, a response takes turns: generation stops at a
     ``` fence, its code runs, generation goes on, all in one budget."""
+    prompts = [reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template) for item in items]
+    samples = [Sample(prompt_ids) for prompt_ids in prompts for _ in range(n)]
     items = [item for item in items for _ in range(n)]
-    samples = [Sample(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items]
     while running := [s for s in samples if not s.ended]:
         generate_turn(engine, workers, tokenizer, running, cfg, seed, temperature, cfg.max_new_tokens, version)
         seed += 1  # HFEngine's next turn samples afresh
@@ -358,7 +376,8 @@ def partial_rollouts(engine, workers, dataset, tokenizer, in_flight, cfg, step, 
     while len(in_flight.groups) < 2 * per_rank:
         for item in step_items(dataset, in_flight.next_batch, cfg, dp_rank, dp):
             prompt_ids = reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)
-            in_flight.groups.append(Group(item, [Sample(prompt_ids) for _ in range(cfg.group_size)], step))
+            samples = [Sample(prompt_ids) for _ in range(cfg.group_size)]
+            in_flight.groups.append(Group(item, samples, step))
         in_flight.next_batch += 1
     for s in in_flight.running():  # --routing_replay: the engine routes a response on new weights afresh
         s.routing = s.routing[:0]
@@ -370,9 +389,10 @@ def partial_rollouts(engine, workers, dataset, tokenizer, in_flight, cfg, step, 
             break
     # Oldest first, so the groups due are among them: with two batches in flight, at most one batch is due.
     trained = in_flight.ended()[:per_rank]
-    in_flight.remove(trained)
     samples = [s for g in trained for s in g.samples]
-    errors = score_samples(samples, [g.item for g in trained for _ in g.samples], workers, tokenizer, cfg)
+    items = [g.item for g in trained for _ in g.samples]
+    errors = score_samples(samples, items, workers, tokenizer, cfg)
+    in_flight.remove(trained)  # once scored: a stop that gives up the scoring keeps them in flight
     return samples, errors, len(in_flight.running())
 
 
@@ -400,10 +420,8 @@ def set_advantages(samples, cfg, dp_group=None):
     cancel beta)."""
     rewards = torch.tensor([s.shaped_reward for s in samples])
     std = None
-    if cfg.std_of == "batch":
-        every_rank = [torch.zeros_like(rewards) for _ in range(dist.get_world_size(dp_group))]
-        dist.all_gather(every_rank, rewards, group=dp_group)  # a TP group's ranks hold the same samples: one of them
-        std = torch.cat(every_rank).double().std()
+    if cfg.std_of == "batch":  # a TP group's ranks hold the same samples: one of them
+        std = launch.gathered(rewards, dp_group).double().std()
     advantages = group_advantages(rewards, cfg.group_size, cfg.scale_std, std=std)
     if cfg.kl_in_reward:
         kl_of = KL_ESTIMATORS[cfg.kl_estimator]
@@ -454,7 +472,8 @@ def policy_logprobs(model, samples, cfg, par):
     by_sample = {}
     for batch in launch.micro_batches(samples, cfg, par.world_group):
         logp = response_logprobs(model, batch, cfg, par.mesh["tp"])[0]
-        for sample, values in zip(batch, logp.split([s.num_sampled for s in batch])):
+        lengths = [s.num_sampled for s in batch]
+        for sample, values in zip(batch, logp.split(lengths)):
             by_sample[id(sample)] = values
     return [by_sample[id(s)] for s in samples]
 
@@ -533,8 +552,9 @@ def dppo_mask(logp, old_logp, advantages, cfg):
     if cfg.objective == "dppo_tv":
         up = p - p_old > cfg.dppo_tv_delta
         down = p_old - p > cfg.dppo_tv_delta
-    else:  # the 1e-8 as verl's, for a probability of 1
-        binary_kl = p_old * (old_logp - logp) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+    else:  # KL(old || new) of the sampled token, and of the rest (the 1e-8 as verl's, for a probability of 1)
+        rest = (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+        binary_kl = p_old * (old_logp - logp) + rest
         up = (binary_kl > cfg.dppo_kl_delta) & (p > p_old)
         down = (binary_kl > cfg.dppo_kl_delta) & (p < p_old)
     return torch.where(advantages > 0, up, down)
@@ -546,7 +566,10 @@ def engine_mismatch(trainer_logp, engine_logp, cfg, lengths, fresh=None):
     push shows), and of |log r| over the older ones (--partial_rollouts: the policy's drift since); masks."""
     log_ratio = trainer_logp - engine_logp
     current = log_ratio if fresh is None else log_ratio[fresh]
-    sums = {"mismatch_abs": current.abs().sum(), "mismatch_kl": KL_ESTIMATORS["k3"](-current).sum()}
+    sums = {
+        "mismatch_abs": current.abs().sum(),
+        "mismatch_kl": KL_ESTIMATORS["k3"](-current).sum(),
+    }
     if fresh is not None:
         sums.update(fresh=fresh.sum(), stale_mismatch_abs=log_ratio[~fresh].abs().sum())
     if cfg.tis_cap == 0:
@@ -563,7 +586,8 @@ def engine_mismatch(trainer_logp, engine_logp, cfg, lengths, fresh=None):
 
 def set_loss_weights(samples, cfg, dp_group):
     """Per-token loss_weight by --loss_agg, from counts over all ranks, times dp (FSDP averages gradients over dp)."""
-    counts = torch.tensor([sum(s.num_sampled for s in samples), len(samples)], dtype=torch.float64)
+    tokens = sum(s.num_sampled for s in samples)
+    counts = torch.tensor([tokens, len(samples)], dtype=torch.float64)
     dist.all_reduce(counts, group=dp_group)  # response tokens and sequences of the whole mini-batch
     tokens, sequences = counts.tolist()
     dp = dist.get_world_size(dp_group)
@@ -632,7 +656,8 @@ def lr_factor(step, cfg):
     """The multiple of --lr at a step: linear warm-up, then constant or cosine down to 0.1 at the last step."""
     if step < cfg.warmup_steps or cfg.lr_schedule == "constant":
         return min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps))
+    decay_steps = max(1, cfg.steps - 1 - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -696,14 +721,11 @@ def evaluate(engine, tokenizer, test_set, workers, cfg, par):
     prompts = range(par.dp_rank, min(cfg.eval_prompts, len(test_set)), par.dp)  # this rank's share
     items = [test_set[i] for i in prompts]
     unrouted = replace(cfg, routing_replay="off")  # nothing trains on these responses: no routing to ask for
-    generate = functools.partial(generate_rollouts, engine, workers, tokenizer, items, unrouted, cfg.seed)
-
-    def rollouts(n, temperature):  # a rank without items (more ranks than prompts) has none
-        return launch.on_first_rank(par.tp_group, generate, temperature, n)[0]
-
-    sampled = rollouts(cfg.eval_k, cfg.eval_temperature)
+    rollouts = (engine, workers, tokenizer, items, unrouted, cfg.seed)
+    # On the engine's rank, sent to its TP group; a rank without items (more ranks than prompts) has none.
+    sampled, _ = launch.on_first_rank(par.tp_group, generate_rollouts, *rollouts, cfg.eval_temperature, cfg.eval_k)
+    greedy, _ = launch.on_first_rank(par.tp_group, generate_rollouts, *rollouts, 0.0, 1)
     correct = torch.tensor([s.correct for s in sampled]).view(-1, cfg.eval_k)  # [prompts, k]
-    greedy = rollouts(1, 0.0)
     sums = {
         "eval_greedy_acc": sum(s.correct for s in greedy),
         f"eval_mean@{cfg.eval_k}": correct.float().mean(1).sum(),
@@ -815,9 +837,14 @@ def main():
             end = time.perf_counter()
             # Log, evaluate, save.
             metrics = step_metrics(samples, token_sums, maxima, errors, counts, cfg, par, step)
-            metrics.update(time_rollout=rollout_done - start, time_train=train_done - rollout_done)
-            metrics.update(time_push=end - train_done, time_step=end - start, lr=optimizer.param_groups[0]["lr"])
-            metrics["eta_s"] = (end - run_start) / (step + 1 - start_step) * (cfg.steps - step - 1)  # rank 0's
+            metrics |= {
+                "time_rollout": rollout_done - start,
+                "time_train": train_done - rollout_done,
+                "time_push": end - train_done,
+                "time_step": end - start,
+                "lr": optimizer.param_groups[0]["lr"],
+                "eta_s": (end - run_start) / (step + 1 - start_step) * (cfg.steps - step - 1),  # rank 0's
+            }
             stop = launch.any_rank(stopping.STOP.asked(), par)  # asked of one rank: of every rank
             last = step + 1 == cfg.steps
             if cfg.eval_every > 0 and ((step + 1) % cfg.eval_every == 0 or last):

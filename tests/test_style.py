@@ -1,5 +1,6 @@
-"""Every Python file of the project is formatted by ruff and passes its lint rules (pyproject.toml), and train.py
-stays a file a researcher reads: under 1,000 lines and at most 10 tokens per code line."""
+"""Every Python file of the project is formatted by ruff and passes its lint rules (pyproject.toml), train.py stays a
+file a researcher reads (under 1,000 lines, at most 9.5 tokens per code line) and reward.py the task alone (under 500
+lines): limits a new feature meets by moving machinery out, not by squeezing."""
 
 import dataclasses
 import io
@@ -37,11 +38,12 @@ def tokens_per_code_line(path):
     return len(tokens) / len(lines)
 
 
-def test_train_py_stays_under_1000_lines_at_most_10_tokens_a_line():
-    path = os.path.join(ROOT, "train.py")
-    with open(path) as f:
+def test_train_py_stays_under_1000_lines_at_9_5_tokens_a_line_and_reward_py_under_500_lines():
+    with open(os.path.join(ROOT, "train.py")) as f:
         assert len(f.readlines()) < 1000
-    assert tokens_per_code_line(path) <= 10
+    assert tokens_per_code_line(os.path.join(ROOT, "train.py")) <= 9.5
+    with open(os.path.join(ROOT, "reward.py")) as f:
+        assert len(f.readlines()) <= 500
 
 
 def documented_defaults():
