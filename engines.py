@@ -308,11 +308,12 @@ class SGLangEngine(SGLangPeer):
         return outputs
 
     def watch(self):
+        """Once a stop is due, every request in flight aborted; again each second, as an abort sent before the call's
+        own requests reached the engine ends none of them."""
         if stopping.STOP.due():
             self.aborted = True
             self.engine.tokenizer_manager.abort_request(abort_all=True)
-        else:
-            self.watcher = self.engine.loop.call_later(1.0, self.watch)
+        self.watcher = self.engine.loop.call_later(1.0, self.watch)
 
     def generate_truncated(self, prompts, sampling, routing):
         """Top-p / top-k sampling with each token's kept set, and its log-prob renormalised over that set, as SGLang

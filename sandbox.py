@@ -516,7 +516,7 @@ class RewardWorkers:
         """Each (function, args) called in a free worker; the results in order, and why each call that has none failed:
         its worker died, or did not answer within `seconds` of being sent the call, sending and answering included
         (stuck where SIGALRM cannot reach, or stopped by SIGSTOP): then it is killed and replaced. `interruptible`:
-        stopping.Interrupted, looked for every second, once a stop gives up the step's rollouts."""
+        stopping.Interrupted, looked for five times a second, once a stop gives up the step's rollouts."""
         # Calls travel as pickle's bytes: SGLang patches multiprocessing's own pickling of tensors for CUDA IPC in
         # the trainer's process, after which it fails on a CPU tensor that a row may hold.
         waiting = [(i, pickle.dumps(call)) for i, call in enumerate(calls)][::-1]
@@ -541,7 +541,7 @@ class RewardWorkers:
                         failures[w] = late if isinstance(error, TimeoutError) else died
             answering = [w for w in busy if w not in failures]
             wait = max(0.0, min((busy[w][1] for w in answering), default=0.0) - time.monotonic())
-            wait = min(wait, 1.0)  # a stop looked for every second
+            wait = min(wait, 0.2)  # a stop looked for five times a second
             ready = multiprocessing.connection.wait([self.workers[w][1] for w in answering], wait)
             for w in answering:
                 i, deadline = busy[w]

@@ -96,7 +96,9 @@ class Engine:
         self.offload_tags = set()
         self.calls = []
         self.loop = asyncio.new_event_loop()  # Engine.generate runs the tokenizer manager's coroutines on it
-        self.tokenizer_manager = self  # its generate_request, here the engine's own
+        self.tokenizer_manager = self  # its generate_request and abort_request, here the engine's own
+        self.generate_seconds = 0.0  # how long a generate call runs its event loop, as a real one's requests take
+        self.aborted = False
 
     def generate(
         self,
@@ -126,6 +128,9 @@ class Engine:
                 [dict(p) for p in sampling_params] if isinstance(sampling_params, list) else dict(sampling_params),
             )
         )
+        if not self.loop.is_running():  # Engine.generate's own wait; generate_request waits in its caller's
+            self.aborted = False
+            self.loop.run_until_complete(self.running())
         outputs = []
         for i, params in enumerate(per_request):
             limit, stop = params.get("max_new_tokens", 128), sorted(params.get("stop_token_ids", [2]))
@@ -134,6 +139,8 @@ class Engine:
             ids = body if case == 1 else body + [stop[0]]
             assert not set(body) & set(stop)
             finish = {"type": "stop", "matched": stop[0]} if case == 0 else {"type": "length", "length": limit}
+            if self.aborted:  # as sglang answers a running request that abort_request ended: what it had, so far
+                ids, finish = ids[:1], {"type": "abort", "message": "Abort before prefill"}
             meta = {
                 "id": str(i),
                 "finish_reason": finish,
@@ -150,6 +157,18 @@ class Engine:
             outputs.append({"output_ids": ids, "meta_info": meta})
         return outputs
 
+    async def running(self):
+        """The requests' time on the engine (generate_seconds), during which the event loop runs what is scheduled
+        on it; an abort_request(abort_all=True) ends them."""
+        deadline = self.loop.time() + self.generate_seconds
+        while self.loop.time() < deadline and not self.aborted:
+            await asyncio.sleep(0.01)
+
+    def abort_request(self, rid="", abort_all=False):
+        """As sglang's TokenizerManager.abort_request: with abort_all, every request in flight ends now."""
+        self.calls.append(("abort_request", rid, abort_all))
+        self.aborted = self.aborted or abort_all
+
     async def generate_request(self, obj, request=None):
         """A GenerateReqInput asking for sampling masks, as SGLangEngine.generate_truncated sends it: generate's
         outputs, with meta_info's per-token kept set (the token, and the id before it) and its log-prob renormalised
@@ -161,6 +180,8 @@ class Engine:
         routing = dict(
             return_routed_experts=obj.return_routed_experts, routed_experts_start_len=obj.routed_experts_start_len
         )
+        self.aborted = False
+        await self.running()
         outputs = self.generate(input_ids=obj.input_ids, sampling_params=obj.sampling_params, **routing)
         for out in outputs:
             ids = out["output_ids"]

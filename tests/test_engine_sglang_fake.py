@@ -10,6 +10,7 @@ run_ranks."""
 import os
 import socket
 import sys
+import time
 import types
 
 import pytest
@@ -22,6 +23,7 @@ import engines  # noqa: E402
 import fake_sglang_engine  # noqa: E402
 import flags  # noqa: E402
 import launch  # noqa: E402
+import stopping  # noqa: E402
 import train  # noqa: E402
 from demo_model import demo_config  # noqa: E402
 from hub_models import text_config  # noqa: E402
@@ -433,6 +435,39 @@ def test_a_rank_that_does_not_own_the_engine_starts_nothing(tmp_path):
     sglang and writes the engine's config. The others get an SGLangPeer, whose steps do nothing."""
     kind, has_engine, started, config_written = run_ranks(start_on_a_tp_group_of_two, 2, str(tmp_path / "out"))[1]
     assert kind is engines.SGLangPeer and not has_engine and not started and not config_written
+
+
+def generate_with_a_stop_due(rank, world, out_dir, top_p):
+    """SGLangEngine.generate on the fake (3 s of the engine's time a call) while a stop leaves no time to end the
+    step: in the rollouts (what it returns, how long it took, the fake's last call), then outside them. In a rank
+    of its own: top_p < 1 sends sglang's io_struct request, whose import needs the stubs' torchvision."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "sglang_cpu_stubs"))
+    import sglang
+    from sglang.srt.managers.io_struct import GenerateReqInput  # noqa: F401 (imported before the clock starts)
+
+    sglang.Engine = fake_sglang_engine.Engine
+    engine = start_on_one_rank(train.Config(engine="sglang", out_dir=out_dir), tiny_config("qwen2", True))
+    engine.engine.generate_seconds = 3.0
+    stopping.STOP.listen(30.0, out_dir, speaks=False, install=False)
+    stopping.STOP.ask("SIGTERM")  # no step has ended in this process yet: the rollouts are given up at once
+    began = time.monotonic()
+    top_k = 0 if top_p == 1 else 50  # Engine.generate, or the request that asks for kept sets
+    given_up = stopping.STOP.interruptible(engine.generate, PROMPTS, [4, 4, 4], 1.0, top_p, top_k, [3], 0)
+    seconds, calls = time.monotonic() - began, list(engine.engine.calls)
+    outputs = engine.generate(PROMPTS, [4, 4, 4], 1.0, top_p, top_k, [3], seed=0)  # not in the rollouts: evaluation
+    engine.engine.port.close()
+    return given_up, seconds, calls, [len(ids) for ids, *_ in outputs]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])  # Engine.generate, and the request that asks for sampling masks
+def test_a_stop_due_during_generation_aborts_the_engines_requests_and_gives_up_the_rollouts(tmp_path, top_p):
+    """Every request is aborted (abort_request(abort_all=True), looked for every second while SGLang's event loop
+    runs them) and the rollouts are given up (stopping.Interrupted) a second in; outside the rollouts the same call
+    returns whole."""
+    given_up, seconds, calls, lengths = run_ranks(generate_with_a_stop_due, 1, str(tmp_path), top_p)[0]
+    assert given_up is None and 0.9 < seconds < 2.5
+    assert ("abort_request", "", True) in calls
+    assert lengths == [3, 4, 4]
 
 
 # ----------------------------------------------------------------------------- config
