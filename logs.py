@@ -133,7 +133,8 @@ class RunLog:
         if not self.speaks:
             return
         ending = "stopped" if stopped else "done"
-        self.status(ending, step=steps, checkpoint=path, why=stopping.STOP.why)
+        why = stopping.STOP.why or ("another rank was asked to stop" if stopped else "")
+        self.status(ending, step=steps, checkpoint=path, why=why)
         stopping.STOP.answered()
         wall = datetime.timedelta(seconds=round(time.perf_counter() - started))
         saved = path or "none (no step ended: the next run starts afresh)"

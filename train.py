@@ -12,8 +12,9 @@ The flags are Config's fields. A new task is two edits in reward.py: PromptDatas
 and reward_fn (how a completion scores, a number or named terms). Machinery beside this file: architectures.py (what
 each model family needs: its TP plan per layer type, its names in files and in the engine), engines.py (the rollout
 engines and the push into them), checkpoint.py (weights in and out of files), sandbox.py (reward_fn and model-written
-code in worker processes), launch.py (the processes under torchrun), flags.py (the command line, each flag's bound),
-inflight.py (partial rollouts' bookkeeping), lora.py and vocab_parallel.py.
+code in worker processes), launch.py (the processes under torchrun), flags.py (the command line and its checks),
+logs.py (the console, metrics.jsonl, wandb), stopping.py (a stop within --stop_grace), inflight.py (partial
+rollouts' bookkeeping), lora.py and vocab_parallel.py.
 """
 
 import functools

@@ -79,7 +79,7 @@ class Engine:
             raise TypeError(f"unexpected ServerArgs {sorted(unknown)}")
         self.kwargs = kwargs
         # What the engine's spawned processes would inherit.
-        self.signals_at_start = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.signals_at_start = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
         self.environ = dict(os.environ)
         self.port = socket.socket()
         try:

@@ -86,7 +86,7 @@ def test_engine_processes_ignore_the_jobs_signals_and_the_trainers_handlers_come
 
     handler = signal.getsignal(signal.SIGTERM)
     engine, fake = start(sglang)
-    assert set(fake.signals_at_start.values()) == {signal.SIG_IGN}  # torchrun signals whole process groups
+    assert set(fake.signals_at_start.values()) == {signal.SIG_IGN}  # torchrun and SLURM signal every process
     assert signal.getsignal(signal.SIGTERM) is handler
 
 

@@ -114,13 +114,14 @@ def test_every_wait_and_object_collective_of_a_run_is_on_a_gloo_group_not_the_de
             "push_weights",
             "set_loss_weights",
             "micro_batches",
-            "step_metrics",
+            "any_rank",
+            "max_over_world",
             "sum_over_world",
             "save",
             "main",
         ):
             assert needed in callers, (needed, callers)
-        # evaluate's sums go through sum_over_world, which step_metrics calls too: one of its calls is evaluate's.
+        # evaluate's sums go through sum_over_world, which step_metrics' calls too: one of its calls is evaluate's.
         assert any(c["caller"] == "sum_over_world" and "evaluate" in c["callers"] for c in calls), calls
         wrong = [c for c in calls if c["default"] or c["backend"] != "gloo"]
         assert not wrong, wrong

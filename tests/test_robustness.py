@@ -13,6 +13,7 @@ import pytest
 
 import reward
 import sandbox
+import stopping
 import task_data
 from demo_model import demo_config, demo_tokenizer
 from test_train import torchrun
@@ -236,18 +237,22 @@ def test_the_run_takes_its_reward_terms_from_what_reward_fn_returns_on_the_items
         task_data.check_items(items, "train", reward.reward_fn)
 
 
-def test_workers_take_no_trainer_signal_handler_and_close_ends_what_reward_fn_started(bad_reward, tmp_path):
-    """Workers forked after the trainer's SIGTERM handler (replacements are) die of SIGTERM rather than print that
-    they finish the step; close() ends a stuck worker at once, and the process its reward_fn started."""
+def test_workers_ignore_the_jobs_stop_signals_and_close_ends_what_reward_fn_started(bad_reward, tmp_path):
+    """Workers forked after the trainer's stop handler (replacements are) take neither it nor a stop signal's
+    default: a batch system signals every process of a job (SIGTERM, SIGUSR1, SIGINT), and a worker killed there
+    would score its call 0 in the step that is saving. They go on scoring; close() ends a stuck worker at once, and
+    the process its reward_fn started."""
     import psutil
 
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: print("finishing this step"))
+    previous = {sig: signal.signal(sig, lambda signum, frame: print("finishing this step")) for sig in stopping.SIGNALS}
     try:
         workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=0.5)
         process = workers.workers[0][0]
-        os.kill(process.pid, signal.SIGTERM)
-        process.join(5)
-        assert process.exitcode == -signal.SIGTERM
+        for sig in stopping.SIGNALS:
+            os.kill(process.pid, sig)
+        process.join(0.5)
+        assert process.is_alive()
+        assert workers.score(["aaax"], [{"task": "toy", "target": "a"}]) == ([0.75], [])  # scored by a worker
         rewards, errors = workers.score(["agag"], [{"task": "toy", "target": "a", "pid_file": str(tmp_path / "pid")}])
         started = psutil.Process(int((tmp_path / "pid").read_text()))
         assert rewards == [0.0] and "did not answer within" in errors[0]
@@ -256,7 +261,8 @@ def test_workers_take_no_trainer_signal_handler_and_close_ends_what_reward_fn_st
         workers.close()
         assert time.perf_counter() - start < 2.0 and not multiprocessing.active_children()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def test_a_failing_reward_fn_does_not_stop_training(tmp_path):
