@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Con
 import architectures
 import checkpoint
 import launch
+import logs
 import train
 from hub_models import text_model
 from workers import run_ranks
@@ -421,5 +422,5 @@ def test_each_reward_term_is_logged_as_its_mean_and_std_over_the_steps_samples_o
             assert metrics[f"reward/{name}"] == pytest.approx(statistics.mean(values))
             assert metrics[f"reward/{name}/std"] == pytest.approx(statistics.pstdev(values))
         assert metrics["reward"] == pytest.approx(statistics.mean(c + 0.5 * b for c, b in every))
-    line = train.step_line(0, dict(logged[0], lr=1e-6, eta_s=0.0, **dict.fromkeys(TIMES, 0.1)), train.Config())
+    line = logs.step_line(0, dict(logged[0], lr=1e-6, eta_s=0.0, **dict.fromkeys(TIMES, 0.1)), train.Config())
     assert " acc 0.50 [correct 0.50 bonus 0.58] | len " in line  # the means, 3 / 6 and 3.5 / 6
