@@ -264,11 +264,20 @@ def replayed(model, layer, renormalise, router, args, out):
         return None
     logits, weights, own = out
     given = model.replay[:, layer].long()  # [tokens, k]
-    chosen = torch.where((given >= 0).all(-1, keepdim=True), given, own)
+    chosen = torch.where(replayable(given, logits.shape[-1])[:, None], given, own)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, chosen)
     if renormalise:
         probs = probs / probs.sum(-1, keepdim=True)
     return logits, probs.to(weights.dtype), chosen
+
+
+def replayable(given, experts):
+    """[tokens] whether each row of an engine's routing [tokens, k] can be replayed: k distinct experts. Else (a
+    position the engine did not run, -1; an index past the experts, such as an engine's -1 kept in a byte as 255; an
+    expert twice, which would send the token to one expert at full weight) the router's own top-k routes it."""
+    in_range = ((given >= 0) & (given < experts)).all(-1)
+    ordered = given.sort(-1).values
+    return in_range & (ordered[:, 1:] != ordered[:, :-1]).all(-1)
 
 
 def routing_dtype(config):
@@ -292,9 +301,10 @@ def engine_routing(samples, longest, config, device):
 
 def routing(out, mask, model, engine=None):
     """Of a forward with output_router_logits: transformers' load-balancing loss (over the tokens `mask` keeps), and
-    counts [MoE layers, experts + 2]: each expert's tokens as the router chose them (its own top k), then the tokens
-    whose top-k set differs from the engine's routing `engine` (engine_routing's) and those compared; for a model
-    without routed experts, 0 and an empty count."""
+    counts [MoE layers, experts + 3]: each expert's tokens as the router chose them (its own top k), then the tokens
+    whose top-k set differs from the engine's routing `engine` (engine_routing's) and those compared, and the tokens
+    whose engine routing could not be replayed (replayable); for a model without routed experts, 0 and an empty
+    count."""
     if getattr(out, "router_logits", None) is None:
         return mask.new_zeros((), dtype=torch.float32), mask.new_zeros((0, 0), dtype=torch.float32)
     kept = mask.reshape(-1).bool()
@@ -303,12 +313,14 @@ def routing(out, mask, model, engine=None):
     for layer, logits in zip(routers(model), out.router_logits):  # [batch x time, experts], a MoE layer's
         own = logits.topk(config.num_experts_per_tok, dim=-1).indices
         tokens = torch.bincount(own[kept].reshape(-1), minlength=config.num_experts).float()
-        pairs = tokens.new_zeros(2)  # mismatched, compared
+        pairs = tokens.new_zeros(3)  # mismatched, compared, unusable
         if engine is not None:
             given = engine[:, layer].long()
-            compared = kept & (given >= 0).all(-1)
+            usable = replayable(given, config.num_experts)
+            compared = kept & usable
+            unusable = kept & ~usable & (given != -1).any(-1)  # reported, but not as k distinct experts
             differ = (own.sort(-1).values != given.sort(-1).values).any(-1)
-            pairs = torch.stack([(differ & compared).sum(), compared.sum()]).float()
+            pairs = torch.stack([(differ & compared).sum(), compared.sum(), unusable.sum()]).float()
         counts.append(torch.cat([tokens, pairs]))
     return out.aux_loss.float(), torch.stack(counts)
 
@@ -316,17 +328,20 @@ def routing(out, mask, model, engine=None):
 def expert_load(counts, par):
     """expert_load_max: over the MoE layers, the most the busiest expert got of the step's tokens against the mean;
     routing_mismatch: the share of (token, MoE layer) pairs whose router's top-k set differs from the engine's, where
-    the engine reported its routing. From every rank's counts (routing's, a TP group's once); nothing for a dense
-    model."""
+    the engine reported its routing; routing_unusable: the share of those the engine reported whose routing was no
+    k distinct experts (routed by the router itself). From every rank's counts (routing's, a TP group's once);
+    nothing for a dense model."""
     if not torch.is_tensor(counts) or counts.numel() == 0:
         return {}
     counts = counts.double()
     dist.all_reduce(counts, group=par.world_group)
     counts /= par.mesh["tp"].size()
-    tokens, (mismatched, compared) = counts[:, :-2], counts[:, -2:].sum(0).tolist()
+    tokens, (mismatched, compared, unusable) = counts[:, :-3], counts[:, -3:].sum(0).tolist()
     metrics = {"expert_load_max": (tokens.amax(1) / tokens.mean(1).clamp(min=1e-9)).max().item()}
     if compared:
         metrics["routing_mismatch"] = mismatched / compared
+    if compared + unusable:
+        metrics["routing_unusable"] = unusable / (compared + unusable)
     return metrics
 
 

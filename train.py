@@ -791,7 +791,6 @@ def main():
     evaluating = f"evaluating on {min(cfg.eval_prompts, len(test_set or []))} held-out prompts"
     saved = start_step  # the steps after which the newest checkpoint (or, before any, the start) holds the run
     path = resumed_from
-    stop = interrupted = False
 
     def save(steps):  # every rank, the state after `steps` steps
         with log.announce(f"saving the checkpoint of step {steps}"):
@@ -863,7 +862,7 @@ def main():
             saved = step
     finally:  # no orphaned engine or reward processes, whatever ended the run
         launch.shut_down(engine, reward_workers, log.wandb)
-    log.end(saved, stop or interrupted, path, started)
+    log.end(saved, saved < cfg.steps, path, started)  # stopped: steps left to resume; else done
     dist.barrier(group=par.world_group)  # gloo aborts a rank whose peer tears down first
     dist.destroy_process_group()
 

@@ -124,6 +124,33 @@ def test_replay_routes_to_the_engines_experts_weighted_by_the_routers_softmax_th
     assert all(torch.equal(p.grad, plain_grads[name]) for name, p in model.named_parameters())
 
 
+def test_an_engine_routing_row_that_is_no_k_distinct_experts_is_routed_by_the_router_itself_and_counted(hub_folders):
+    """A row with an expert twice (replayed, it would send the token to that expert at full weight) or an index past
+    the experts (an engine's -1 kept in a byte, 255: it would raise in the gather) is routed by the router's own
+    top-k, as VeOmni's replay does, and counted (the last of architectures.routing's counts, routing_unusable in
+    metrics.jsonl); the other rows replay as given, and a position the engine did not run (-1) is not counted."""
+    model = text_model(hub_folders["qwen3_moe"])
+    architectures.replay_routing(model)
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, VOCAB, (2, 7), generator=generator)
+    given = random_routing(14, config, generator)
+    given[3, :, 1] = given[3, :, 0]  # an expert twice, in every layer
+    given[8, :, 0] = 255
+    given[13] = -1  # a last token
+    seen, _ = watch_moe_layers(model)
+    model.replay = given
+    out = model(ids, output_router_logits=True)
+    for layer in architectures.routers(model):
+        expected = given[:, layer].clone()
+        for row in (3, 8, 13):
+            expected[row] = seen[layer, "own"][0][row]
+        assert torch.equal(seen[layer, "experts"][0][0], expected)
+    _, counts = architectures.routing(out, torch.ones(2, 7), model, given)
+    assert counts[:, -2].tolist() == [11.0] * len(counts)  # the rows compared
+    assert counts[:, -1].tolist() == [2.0] * len(counts)  # the rows that could not be replayed
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The HF engine's report, and the trainer's forward on it
 
@@ -200,7 +227,7 @@ def test_the_trainer_routes_as_the_engine_reported_and_routing_mismatch_counts_w
             differing += (own[b, :positions].sort(-1).values != given.sort(-1).values).any(-1).sum().item()
             compared += given[..., 0].numel()
         assert 0 < differing < compared / 2
-        assert result[mode]["counts"][:, -2:].sum(0).tolist() == [differing, compared]
+        assert result[mode]["counts"][:, -3:].sum(0).tolist() == [differing, compared, 0]  # every row usable
     engine_logp = torch.cat([s.engine_logprobs for s in samples])
     gaps = {mode: (result[mode]["logp"] - engine_logp).abs().mean() for mode in ("measure", "on")}
     assert gaps["on"] < gaps["measure"]
