@@ -13,11 +13,13 @@ Machinery a researcher rarely edits: a new flag is a Config field with its bound
 
 import argparse
 import difflib
+import importlib.util
 import math
 import os
 import typing
 from dataclasses import dataclass
 
+import torch
 from transformers import HfArgumentParser
 
 import engines
@@ -155,10 +157,23 @@ def check_terms(cfg, terms):
         raise SystemExit(f"--accuracy_term {cfg.accuracy_term}: reward_fn returns no such term ({returns})")
 
 
-def start_notes(cfg, terms):
+def start_notes(cfg, terms, model_config=None):
     """What rank 0 says at start of flags that may not do what their user meant: accuracy counted from the sum of
-    several terms (a bonus alone can reach 1), a warm-up of half the run or more."""
+    several terms (a bonus alone can reach 1), a warm-up of half the run or more; and of --model's Gated DeltaNet
+    layers without their kernels (transformers' own warnings, one a kernel, are kept off the console)."""
     notes = []
+    linear = "linear_attention" in (getattr(model_config, "layer_types", None) or ())
+    kernels = all(importlib.util.find_spec(package) for package in ("fla", "causal_conv1d"))
+    if linear and not kernels and torch.cuda.is_available():
+        notes.append(
+            "note: --model's Gated DeltaNet layers run PyTorch's reference implementation, at about half the "
+            "training speed: pip install flash-linear-attention causal-conv1d (requirements.txt)"
+        )
+    elif linear and not kernels:
+        notes.append(
+            "note: --model's Gated DeltaNet layers run PyTorch's reference implementation, as on any CPU "
+            "(flash-linear-attention's and causal-conv1d's kernels are for GPUs)"
+        )
     if len(terms) > 1 and not cfg.accuracy_term:
         notes.append(
             f"note: accuracy counts a response right when its reward, the weighted sum of the terms "

@@ -44,6 +44,9 @@ def init_distributed():
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # none changed in place
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # TP's few small tensors
     transformers.utils.logging.disable_progress_bar()
+    # A Gated DeltaNet kernel's fallback, said by transformers once per kernel and rank: flags.start_notes says it once.
+    fallbacks = logging.getLogger("transformers.integrations.hub_kernels")
+    fallbacks.addFilter(lambda record: "falling back to its reference PyTorch" not in record.getMessage())
     return rank, world, device
 
 

@@ -758,7 +758,7 @@ def main():
     tokenizer, model_config = checkpoint.load_tokenizer_and_config(cfg, [*train_set, *(test_set or [])])
     files = launch.on_first_rank(par.world_group, checkpoint.weight_files, cfg.model)
     # The run folder, once every check passed: a run refused leaves it as it was. Notes on the flags said with them.
-    notes = flags.start_notes(cfg, terms)
+    notes = flags.start_notes(cfg, terms, model_config)
     resumed_from, start_step, wandb_id = checkpoint.open_run(cfg, model_config, notes, par.world_group)
     log = logs.RunLog(cfg, rank, tokenizer)
     loading = f"loading {cfg.model} and the engine"

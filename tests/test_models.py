@@ -306,7 +306,8 @@ def test_every_feature_runs_on_the_gated_deltanet_moe_models_at_tp_2(model, tmp_
     """Partial rollouts (responses carried over pushes, their older tokens corrected), truncated sampling, CISPO off
     policy (two mini-batches), the KL to a reference model, the load-balancing loss, routing replay and evaluation,
     together, on a Gated DeltaNet MoE model at tp 2: the run completes, the engine's log-probs of the fresh tokens
-    equal the trainer's, the kept mass, the experts' load and the routing mismatch are logged."""
+    equal the trainer's, the kept mass, the experts' load and the routing mismatch are logged; the console says once
+    that the Gated DeltaNet layers run without their GPU kernels."""
     flags = ("--preset", "cpu", "--model", model, "--tp", "2", "--steps", "4", "--eval_every", "2")
     flags += ("--partial_rollouts", "true", "--tis_cap", "2", "--round_tokens", "6", "--top_p", "0.9")
     flags += ("--objective", "cispo", "--num_minibatches", "2", "--beta", "0.05", "--router_aux_loss_coef", "0.01")
@@ -318,6 +319,9 @@ def test_every_feature_runs_on_the_gated_deltanet_moe_models_at_tp_2(model, tmp_
     assert all(0 <= r["routing_mismatch"] <= 1 for r in rows)
     assert any(r["staleness_max"] >= 1 for r in rows) and rows[-1]["kl"] > 0
     assert "eval_greedy_acc" in rows[1] and "eval_greedy_acc" in rows[3]
+    # No kernel's fallback warning from transformers among the trainer's lines: one note, in the trainer's words.
+    assert "falling back to its reference PyTorch" not in run.stdout + run.stderr
+    assert run.stdout.count("Gated DeltaNet layers run PyTorch's reference implementation, as on any CPU") == 1
 
 
 def experts_with_idle_ranks(rank, world):
