@@ -281,8 +281,9 @@ def replayable(given, experts):
 
 
 def routing_dtype(config):
-    """The dtype that holds an expert's index: a byte while the experts fit one."""
-    return torch.uint8 if config.num_experts <= 256 else torch.int16
+    """The dtype that holds an expert's index: a byte while the experts and one more value fit one (an engine's -1,
+    kept as 255, must be no expert)."""
+    return torch.uint8 if config.num_experts < 256 else torch.int16
 
 
 def engine_routing(samples, longest, config, device):

@@ -9,6 +9,7 @@ flight."""
 import contextlib
 import io
 import json
+import types
 from collections import defaultdict
 
 import pytest
@@ -149,6 +150,9 @@ def test_an_engine_routing_row_that_is_no_k_distinct_experts_is_routed_by_the_ro
     _, counts = architectures.routing(out, torch.ones(2, 7), model, given)
     assert counts[:, -2].tolist() == [11.0] * len(counts)  # the rows compared
     assert counts[:, -1].tolist() == [2.0] * len(counts)  # the rows that could not be replayed
+    # 255 is no expert wherever routings are kept in bytes: 256 experts take two.
+    assert architectures.routing_dtype(types.SimpleNamespace(num_experts=255)) == torch.uint8
+    assert architectures.routing_dtype(types.SimpleNamespace(num_experts=256)) == torch.int16
 
 
 # ----------------------------------------------------------------------------------------------------------------
