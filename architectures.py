@@ -231,8 +231,10 @@ def parallelize(model, tp_mesh):
 
 
 def routers(model):
-    """{decoder layer index: its router} of the layers with routed experts (transformers' mlp.gate)."""
-    return {i: layer.mlp.gate for i, layer in enumerate(model.model.layers) if has_module(layer, "mlp.experts")}
+    """{decoder layer index: its router} of the layers with routed experts (transformers' mlp.gate), of a causal LM
+    or of a vision-language model's language model."""
+    layers = getattr(model.model, "language_model", model.model).layers
+    return {i: layer.mlp.gate for i, layer in enumerate(layers) if has_module(layer, "mlp.experts")}
 
 
 def record_routing(model):

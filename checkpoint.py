@@ -43,6 +43,7 @@ from transformers import (
     AutoTokenizer,
     Qwen2Config,
     Qwen2Tokenizer,
+    Qwen3_5Config,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3MoeConfig,
@@ -52,7 +53,7 @@ from transformers import (
 import architectures
 import engines
 import launch
-import reward
+import vision
 
 # ----------------------------------------------------------------------------------------------------------------
 # The model: its tokenizer, config and first weights
@@ -127,7 +128,7 @@ def load_tokenizer_and_config(cfg, items):
     """--model's tokenizer and config, checked against the items' prompts and the flags: a sample must fit the
     model's context and a micro-batch, and --routing_replay needs routed experts."""
     tokenizer, config = tokenizer_and_config(cfg.model, cfg.lora_rank)
-    longest = max(len(reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)) for item in items)
+    longest = max(len(vision.encode_prompt(tokenizer, item, cfg)[0]) for item in items)  # with images' tokens
     sample_tokens = longest + cfg.max_new_tokens
     if sample_tokens > config.max_position_embeddings - 6:  # SGLang fails a batch with an input of C - 6
         raise SystemExit(
@@ -154,41 +155,72 @@ TINY_SHAPE.update(num_key_value_heads=2, max_position_embeddings=2048)  # room f
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
 TINY_LINEAR = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, head_dim=16)
 TINY_LINEAR.update(linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+# tiny-qwen3.5-vl: Qwen3.5's vision-language model, its text model tiny-qwen3.5's, a vision tower of one block whose
+# processor makes an image 4 x 4 pixels a patch, 2 x 2 patches a token.
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
+TINY_VISION.update(spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
 TINY_MODELS = {
     "tiny": (Qwen2Config, dict(tie_word_embeddings=True)),
     "tiny-qwen3-moe": (Qwen3MoeConfig, dict(TINY_MOE, tie_word_embeddings=False)),
     "tiny-qwen3.5": (Qwen3_5TextConfig, dict(TINY_LINEAR, tie_word_embeddings=True)),
     "tiny-qwen3.5-moe": (Qwen3_5MoeTextConfig, dict(TINY_LINEAR, **TINY_MOE, shared_expert_intermediate_size=64)),
     "tiny-qwen3-next": (Qwen3NextConfig, dict(TINY_LINEAR, **TINY_MOE, shared_expert_intermediate_size=64)),
+    "tiny-qwen3.5-vl": (Qwen3_5Config, dict(vision_config=TINY_VISION, tie_word_embeddings=True)),
 }
+# A chat template that places images as Qwen's does: a tiny vision-language model's, whose prompts are chat messages.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def tiny_tokenizer_and_config(model, lora_rank):
-    """--model tiny (or a sibling of TINY_MODELS), the CPU demo's: a character tokenizer (printable ASCII; " " is Ġ)
-    and the random model's config. Its weights are drawn in load_weights."""
+    """--model tiny (or a sibling of TINY_MODELS), the CPU demo's: a character tokenizer and the config of the
+    random text model. Its weights are drawn in load_weights."""
+    return tiny_tokenizer(model), architectures.text_config(tiny_config(model, lora_rank))  # SGLang reads its class
+
+
+def tiny_tokenizer(model):
+    """The tiny models' character tokenizer: printable ASCII (" " is Ġ); a vision-language one's has the vision
+    tokens too, and a chat template that places images."""
     chars = []
     for code in [*range(9, 14), *range(32, 127)]:
         chars.append(chr(code) if code > 32 else chr(256 + code))
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *chars]
-    vocab = {token: i for i, token in enumerate(tokens)}
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
+    specials = ["<|im_start|>"]
+    if model.endswith("-vl"):
+        specials += ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *chars, *specials[1:]]
+    return Qwen2Tokenizer(
+        vocab={token: i for i, token in enumerate(tokens)},
         merges=[],
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=specials,
+        chat_template=TINY_CHAT_TEMPLATE if model.endswith("-vl") else None,
     )
+
+
+def tiny_config(model, lora_rank=0):
+    """The config of a tiny model of TINY_MODELS, as its checkpoint's would be: a vision-language model's holds its
+    text model's in text_config, and its vision tokens' ids."""
+    tokenizer = tiny_tokenizer(model)
+    vocab = tokenizer.get_vocab()
     config_class, fields = TINY_MODELS[model]
-    config = config_class(
+    text = dict(
         vocab_size=len(tokenizer),
         eos_token_id=[vocab["<|endoftext|>"], vocab["<|im_end|>"]],  # both end a response, as for Qwen
         pad_token_id=0,
         # Frozen under LoRA: wide enough that the adapters can move the logits.
         initializer_range=0.2 if lora_rank else 0.02,
         **TINY_SHAPE,
-        **fields,
     )
-    return tokenizer, architectures.text_config(config)  # SGLang reads its architectures
+    if config_class is not Qwen3_5Config:
+        return config_class(**text, **fields)
+    ids = {f"{name}_token_id": vocab[f"<|{name}|>"] for name in ("vision_start", "vision_end")}
+    ids.update(image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"])
+    return Qwen3_5Config(text_config=dict(text, **TINY_LINEAR), **fields, **ids)
 
 
 def model_folder(model, download=True):

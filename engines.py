@@ -16,12 +16,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, StoppingCriteria, StoppingCriteriaList
 
 import architectures
 import launch
 import lora
 import stopping
+import vision
 
 # Truncated sampling keeps at most this many tokens per sampled token (--top_k's bound, and with --top_p alone its
 # value): the trainer stores each kept set (as prime-rl, whose default it is), and SGLang reports them up to a bound.
@@ -38,13 +39,15 @@ class Engine:
         """(HF name, full tensor) pairs as the engine loads them: here, as the trainer names them."""
         return weights
 
-    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None):
+    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None, images=None):
         """Per prompt: the sampled ids, stop included, their log-probs under logits / temperature, and with top_p < 1
         or top_k > 0 each token's kept set (the ids it was drawn from), the ids one set after another and the sets'
         sizes, the log-probs renormalised over them; without truncation the sets are empty. Then, with routing_from
         (a position per prompt), the experts each MoE layer chose at every position from there up to the last
         input token and at each new token but the last: [positions, layers, k] of architectures.routing_dtype;
-        without, empty."""
+        without, empty. `images`: each prompt's images' inputs (vision.encode_prompt's; None for a text prompt),
+        whose image tokens the prompt holds; with them, no vision token is sampled, and the log-probs are of the
+        softmax without them."""
         raise NotImplementedError
 
     def release_memory(self):
@@ -76,15 +79,22 @@ class HFEngine(Engine):
 
     batch_bytes = 1 << 30  # generate keeps every step's fp32 logits [prompts, T, V]: this much at most, then batches
 
-    def __init__(self, model_config, device):
-        self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).to(device).eval()
+    def __init__(self, model_config, device, tower=None):
+        self.tower = tower
+        if tower is None:
+            self.model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+        else:  # prompts with images: the vision-language model, its tower the trainer's (frozen)
+            self.model = AutoModelForImageTextToText.from_config(tower.vlm_config, dtype=torch.float32)
+            self.model.model.visual.load_state_dict(tower.state_dict())
+        self.model = self.model.to(device).eval()
         architectures.record_routing(self.model)  # an MoE model's routers say what they chose
 
     def update(self, bucket, group):
-        self.model.load_state_dict(dict(bucket), strict=False)  # check_engine_names vouches for the names
+        weights = dict(bucket) if self.tower is None else {vision.vlm_name(name): w for name, w in bucket}
+        self.model.load_state_dict(weights, strict=False)  # check_engine_names vouches for the names
 
-    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None):
-        logits_bytes = max(budgets) * self.model.config.vocab_size * 4
+    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None, images=None):
+        logits_bytes = max(budgets) * self.model.config.get_text_config().vocab_size * 4
         batch = max(1, self.batch_bytes // logits_bytes)
         sampling = {}
         if temperature > 0:
@@ -93,12 +103,25 @@ class HFEngine(Engine):
         for i in range(0, len(prompts), batch):  # each batch seeded afresh
             part = slice(i, i + batch)
             routing = None if routing_from is None else routing_from[part]
-            outputs += self.generate_batch(prompts[part], budgets[part], sampling, stop_ids, seed + i, routing)
+            inputs = {} if images is None else self.image_inputs(prompts[part], images[part])
+            outputs += self.generate_batch(prompts[part], budgets[part], sampling, stop_ids, seed + i, routing, inputs)
         return outputs
 
-    def generate_batch(self, prompts, budgets, sampling, stop_ids, seed, routing_from):
+    def image_inputs(self, prompts, images):
+        """generate's inputs for the images of a batch's prompts, in prompt order, and the vision tokens banned."""
+        images = [image for image in images if image is not None]
+        device = self.model.device
+        return dict(
+            pixel_values=torch.cat([image["pixel_values"] for image in images]).to(device),
+            image_grid_thw=torch.cat([image["image_grid_thw"] for image in images]).to(device),
+            suppress_tokens=vision.vision_token_ids(self.tower.vlm_config),
+        )
+
+    def generate_batch(self, prompts, budgets, sampling, stop_ids, seed, routing_from, image_inputs):
         ids, mask = launch.padded(prompts, self.model.device, left=True)
         longest = ids.shape[1]
+        if image_inputs:  # which tokens are an image's (1), or text (0)
+            image_inputs["mm_token_type_ids"] = (ids == self.tower.vlm_config.image_token_id).long()
         self.model.routed.clear()
         with torch.random.fork_rng(devices=[]):  # seeded sampling that leaves the global RNG alone
             torch.manual_seed(seed)
@@ -112,6 +135,7 @@ class HFEngine(Engine):
                 output_scores=True,
                 stopping_criteria=StoppingCriteriaList([StopAsked()]),
                 **sampling,
+                **image_inputs,
             )
         # What was sampled from: logits / temperature, -inf where top_k or top_p removed a token.
         scores = torch.stack(out.scores, 1).float()  # [N, T, V]
@@ -141,7 +165,7 @@ class HFEngine(Engine):
     def routed_positions(self, rows):
         """The routers' choices [rows, positions, layers, k] of this batch's forwards, at every position they ran:
         the left-padded prefill's, then one a decoding step (0 in a layer without routed experts)."""
-        config = self.model.config
+        config = self.model.config.get_text_config()  # a vision-language model's: its language model's
         routing = None
         for layer, (prefill, *steps) in self.model.routed.items():  # [rows x longest, k], then [rows, k] a step
             chosen = torch.cat([prefill.view(rows, -1, prefill.shape[-1]), *(step[:, None] for step in steps)], 1)
@@ -160,12 +184,13 @@ class StopAsked(StoppingCriteria):
         return torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
 
 
-def start_engine(cfg, model_config, par, device):
-    """One engine per TP group, run by its first rank; the group's other ranks hold what takes part in a push."""
+def start_engine(cfg, model_config, par, device, tower=None):
+    """One engine per TP group, run by its first rank; the group's other ranks hold what takes part in a push. With
+    a vision tower, prompts with images."""
     free_gpu_cache(par.tp_group)  # SGLang sizes itself from the free memory it sees at start
     owner = par.mesh["tp"].get_local_rank() == 0
     if cfg.engine == "hf" and owner:
-        return HFEngine(model_config, device)
+        return HFEngine(model_config, device, tower)
     if cfg.engine == "hf":
         return IdleEngine()
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
@@ -370,7 +395,10 @@ def extend_samples(engine, samples, budgets, stop_ids, temperature, seed, versio
     prompts = [s.prompt_ids + s.response_ids for s in samples]
     # --routing_replay: the engine reports its experts at each sample's positions from the first not yet routed.
     routing_from = [len(s.routing) for s in samples] if cfg.routing_replay != "off" else None
-    outputs = engine.generate(prompts, budgets, temperature, cfg.top_p, top_k, stop_ids, seed, routing_from)
+    images = {}  # prompts with images: each prompt's inputs
+    if any(s.images is not None for s in samples):
+        images["images"] = [s.images for s in samples]
+    outputs = engine.generate(prompts, budgets, temperature, cfg.top_p, top_k, stop_ids, seed, routing_from, **images)
     for s, (ids, logprobs, kept_ids, kept_sizes, routing) in zip(samples, outputs):
         s.response_ids += ids
         s.sampled += [True] * len(ids)

@@ -106,6 +106,7 @@ def check_config(cfg, world):
         (not 0 < cfg.mem_fraction < 1, f"--mem_fraction is a share: above 0, below 1, not {cfg.mem_fraction}"),
         (os.path.realpath(cfg.out_dir) == os.path.realpath(cfg.model), "--out_dir must differ from --model"),
         (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
+        (cfg.image_min_pixels > cfg.image_max_pixels, "--image_min_pixels must be at most --image_max_pixels"),
         (
             cfg.partial_rollouts and cfg.tis_cap == 0,
             "--partial_rollouts trains tokens older policies sampled: add --tis_cap 2 to correct them (decoupled PPO)",

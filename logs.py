@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 import string
 import textwrap
 import time
@@ -38,6 +39,9 @@ STEP_LINE = [
     "| reward_errors {reward_errors:.0f}",  # when there are some
     "| skipped_steps {skipped_steps:.0f}",  # when there are some
 ]
+
+# An image's tokens in a sample's prompt, shown as what they are: an image of so many tokens.
+IMAGE_TOKENS = re.compile(r"(<\|image_pad\|>)+")
 
 # Said once, at the first step whose groups all have equal rewards: such a step learns nothing.
 NO_SIGNAL = (
@@ -118,6 +122,7 @@ class RunLog:
         shown = cfg.sample_every > 0 and (step == 0 or (step + 1) % cfg.sample_every == 0)
         if sample is not None and shown:
             text = self.tokenizer.decode(sample.prompt_ids) + self.tokenizer.decode(sample.response_ids)
+            text = IMAGE_TOKENS.sub(lambda match: f"[image: {match.group().count('<|image_pad|>')} tokens]", text)
             shaped = f", shaped {sample.shaped_reward:.3f}" if sample.shaped_reward != sample.reward else ""
             print(f"  sample (reward {sample.reward:.3f}{shaped}):\n{text}", flush=True)  # wandb keeps the console
         if self.wandb is not None:

@@ -36,7 +36,7 @@ from task_data import generated
 
 # The options each task takes, and their defaults. --task_args key=value,... sets them (a value that reads as a number
 # is one); PromptDataset holds them as self.args, and a task's generator and reward_fn receive them.
-TASK_ARGS = {"toy": {"letter": "a"}, "addition": {"max_operand": 30}}
+TASK_ARGS = {"toy": {"letter": "a"}, "addition": {"max_operand": 30}, "colours": {"blank": 0}}
 
 
 class PromptDataset:
@@ -60,6 +60,9 @@ class PromptDataset:
         task = self.task
         if task == "toy":  # the row is {"target": --task_args letter}
             return {"prompt": f"Say {row['target']}:", "task": task, "target": row["target"]}
+        if task == "colours":  # the row is {"image": a square of one colour, "colour": its letter, r, g or b}
+            prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": COLOURS_PROMPT}]}]
+            return {"prompt": prompt, "images": [row["image"]], "task": task, "target": row["colour"]}
         if task == "countdown":  # the row is {"nums", "target"}
             return {"prompt": [{"role": "user", "content": COUNTDOWN_PROMPT.format(**row)}], "task": task, **row}
         if task in ("gsm8k", "addition"):  # addition's rows are generated in gsm8k's format
@@ -88,7 +91,7 @@ def reward_fn(completion: str, item: dict, args: dict | None = None) -> float | 
         return gsm8k_reward(completion, item["answer"])
     if task == "math":
         return math_reward(completion, item["answer"])
-    if task == "toy":
+    if task in ("toy", "colours"):  # the share of the completion that is the target letter
         return toy_reward(completion, item["target"])
     raise ValueError(f"unknown task {task!r}: add a branch for it to reward_fn in reward.py (README: your own task)")
 
@@ -317,6 +320,34 @@ def toy_reward(completion: str, target: str) -> float:
     A dense, easy signal: a random tiny model learns to emit only `target` within a minute on CPU."""
     text = completion.strip()
     return text.count(target) / len(text) if text else 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# colours: the colour of a square on a grey ground, which only the image tells (a tiny vision-language model's task)
+
+COLOURS_PROMPT = "Colour:"  # the same text for every item: the answer is in the image alone
+COLOURS = {"r": (210, 40, 40), "g": (40, 180, 60), "b": (50, 70, 220)}
+
+
+@generated("colours")
+def colour_problems(n: int, seed: int, args: dict) -> list[dict]:
+    """n images of 32 x 32 pixels: a square of a colour, its side and place drawn at random, on a grey ground; its
+    letter the answer. --task_args blank=1 draws each square in a grey of its own: the control, whose images say
+    nothing of the answer."""
+    from PIL import Image, ImageDraw  # Pillow: only an image task needs it
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        colour = rng.choice("rgb")
+        side = rng.randint(12, 28)
+        x, y = rng.randint(0, 32 - side), rng.randint(0, 32 - side)
+        image = Image.new("RGB", (32, 32), (128, 128, 128))
+        grey = rng.randint(80, 176)
+        fill = (grey, grey, grey) if args["blank"] else COLOURS[colour]
+        ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=fill)
+        rows.append({"image": image, "colour": colour})
+    return rows
 
 
 def overlong_penalty(length: int, max_length: int, buffer: int) -> float:

@@ -104,13 +104,16 @@ def load_rows(dataset, split: str, cfg) -> list[dict]:
 
 
 def prompts_of(dataset, rows: list[dict]) -> list[str | None]:
-    """The prompt that dataset's __getitem__ makes of each row, as text; None where it fails (check_items names it)."""
+    """The prompt that dataset's __getitem__ makes of each row, as text, with its images' pixels (a task whose text
+    is the same for every item asks what its image shows); None where it fails (check_items names it)."""
     view = copy.copy(dataset)
     view.rows = rows
     prompts = []
     for i in range(len(rows)):
         try:
-            prompts.append(repr(view[i]["prompt"]))
+            item = view[i]
+            images = [image.tobytes() if hasattr(image, "tobytes") else image for image in item.get("images", [])]
+            prompts.append(repr(item["prompt"]) + repr(images))
         except Exception:
             prompts.append(None)
     return prompts

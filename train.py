@@ -40,6 +40,7 @@ import lora
 import reward
 import sandbox
 import stopping
+import vision
 import vocab_parallel
 from flags import Above, AtLeast
 from inflight import Group, InFlight
@@ -64,6 +65,8 @@ class Config:
     train_size: int = 20000  # countdown / toy / addition: problems generated for training
     test_size: int = 500  # countdown / toy / addition: held-out problems, disjoint from training
     plain_template: bool = False  # R1-Zero's plain prompt even when the tokenizer has a chat template (base models)
+    image_min_pixels: Count = 4096  # prompts with images: each resized to at least this many pixels (docs/tasks.md)
+    image_max_pixels: Count = 1 << 20  # and at most this many, which bounds its tokens (Qwen3.5: 1,024 at most)
     preset: Literal["", "cpu"] = ""  # cpu: tiny model, toy task, small batches; flags given explicitly still win
     engine: Literal["sglang", "hf"] = "sglang" if torch.cuda.is_available() else "hf"  # hf: HF generate (CPU)
     mem_fraction: float = 0.5  # sglang: fraction of the GPU's free memory at start for its weights and KV cache
@@ -208,6 +211,8 @@ class Sample:
     loss_weight: float = 0.0  # the weight of each of its tokens in the mini-batch loss (--loss_agg)
     old_logprobs: torch.Tensor | None = None  # the policy's before the update, where the step needs them
     ref_logprobs: torch.Tensor | None = None  # the reference model's (--beta > 0)
+    # The prompt's images' inputs, pixel values and grid, whose image tokens prompt_ids holds; None: a text prompt.
+    images: dict | None = None
 
     @property
     def num_sampled(self):
@@ -226,9 +231,9 @@ KL_ESTIMATORS = {
 }
 
 
-def build_model(model_config, mesh, device, activation_checkpointing=False, lora_rank=0, lora_alpha=32.0):
+def build_model(model_config, mesh, device, activation_checkpointing=False, lora_rank=0, lora_alpha=32.0, tower=None):
     """On the meta device: TP in each decoder layer, LoRA, activation checkpointing, then FSDP per layer and at the
-    root; then memory on `device`. checkpoint.load_weights fills it."""
+    root; then memory on `device`. checkpoint.load_weights fills it. With a vision tower, prompts with images."""
     # LoRA's frozen base on a GPU: bf16, with no fp32 master copy.
     on_gpu = mesh.device_type == "cuda"
     dtype = torch.bfloat16 if lora_rank and on_gpu else torch.float32
@@ -239,6 +244,7 @@ def build_model(model_config, mesh, device, activation_checkpointing=False, lora
     if mesh["tp"].size() > 1:
         architectures.parallelize(model, mesh["tp"])
     architectures.replay_routing(model)  # --routing_replay: routers take the engine's experts when given them
+    vision.take_images(model, tower)  # prompts with images: the tower's features in place of the image pads
     lora.add_lora(model, lora_rank, lora_alpha, mesh["tp"])
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -261,8 +267,8 @@ def generate_rollouts(engine, workers, tokenizer, items, cfg, seed, temperature,
     """On the engine's rank: n samples per item, each generated to its end, by the policy of step `version`, and
     scored; and why the failed reward_fn calls failed. With --tool, a response takes turns: generation stops at a
     ``` fence, its code runs, generation goes on, all in one budget."""
-    prompts = [reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template) for item in items]
-    samples = [Sample(prompt_ids) for prompt_ids in prompts for _ in range(n)]
+    prompts = [vision.encode_prompt(tokenizer, item, cfg) for item in items]
+    samples = [Sample(prompt_ids, images=images) for prompt_ids, images in prompts for _ in range(n)]
     items = [item for item in items for _ in range(n)]
     while running := [s for s in samples if not s.ended]:
         generate_turn(engine, workers, tokenizer, running, cfg, seed, temperature, cfg.max_new_tokens, version)
@@ -376,8 +382,8 @@ def partial_rollouts(engine, workers, dataset, tokenizer, in_flight, cfg, step, 
     per_rank = cfg.prompts_per_step // dp
     while len(in_flight.groups) < 2 * per_rank:
         for item in step_items(dataset, in_flight.next_batch, cfg, dp_rank, dp):
-            prompt_ids = reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template)
-            samples = [Sample(prompt_ids) for _ in range(cfg.group_size)]
+            prompt_ids, images = vision.encode_prompt(tokenizer, item, cfg)
+            samples = [Sample(prompt_ids, images=images) for _ in range(cfg.group_size)]
             in_flight.groups.append(Group(item, samples, step))
         in_flight.next_batch += 1
     for s in in_flight.running():  # --routing_replay: the engine routes a response on new weights afresh
@@ -447,6 +453,7 @@ def response_logprobs(model, samples, cfg, tp_mesh):
     ids, mask = launch.padded([s.prompt_ids + s.response_ids for s in samples], device)
     engine_routing = architectures.engine_routing(samples, ids.shape[1], model.config, device)  # --routing_replay's
     model.replay = engine_routing if cfg.routing_replay == "on" else None  # its experts replayed by the forward
+    model.images = [s.images for s in samples]  # prompts with images: the tower's features in the forward
     out = model(
         input_ids=ids,
         attention_mask=mask,
@@ -460,8 +467,9 @@ def response_logprobs(model, samples, cfg, tp_mesh):
     if cfg.truncated_sampling:
         kept = vocab_parallel.kept_sets(samples).to(device)
     weight = model.lm_head.weight
+    banned = getattr(model, "banned_ids", None)  # prompts with images: the vision tokens (vision.take_images)
     logprobs = vocab_parallel.chunked_logprobs(
-        hidden, weight, targets, kept, cfg.temperature, cfg.logprob_chunk, tp_mesh
+        hidden, weight, targets, kept, cfg.temperature, cfg.logprob_chunk, tp_mesh, banned
     )
     return *logprobs, architectures.routing(out, mask, model, engine_routing)
 
@@ -755,7 +763,8 @@ def main():
     test_set = PromptDataset(cfg, "test") if cfg.eval_every > 0 else None  # no evaluation needs no test split
     terms = train_set.reward_terms  # the names of reward_fn's terms, where it returns a dict of them
     flags.check_terms(cfg, terms)  # --reward_weights, --accuracy_term
-    tokenizer, model_config = checkpoint.load_tokenizer_and_config(cfg, [*train_set, *(test_set or [])])
+    items = [*train_set, *(test_set or [])]
+    tokenizer, model_config = checkpoint.load_tokenizer_and_config(cfg, items)
     files = launch.on_first_rank(par.world_group, checkpoint.weight_files, cfg.model)
     # The run folder, once every check passed: a run refused leaves it as it was. Notes on the flags said with them.
     notes = flags.start_notes(cfg, terms, model_config)
@@ -765,10 +774,12 @@ def main():
     if resumed_from:
         loading += f", resuming {resumed_from}"
     with log.announce(loading):
-        model = build_model(model_config, par.mesh, device, cfg.activation_checkpointing, cfg.lora_rank, cfg.lora_alpha)
+        tower = vision.load_tower(cfg, items, files, device)  # prompts with images: frozen, on each rank
+        lora_args = (cfg.lora_rank, cfg.lora_alpha)
+        model = build_model(model_config, par.mesh, device, cfg.activation_checkpointing, *lora_args, tower)
         ref_model = None
         if cfg.beta > 0 and not cfg.lora_rank:  # LoRA's reference is the base: the policy with its adapters off
-            ref_model = build_model(model_config, par.mesh, device).requires_grad_(False)
+            ref_model = build_model(model_config, par.mesh, device, tower=tower).requires_grad_(False)
         models = [model, ref_model] if ref_model else [model]
         checkpoint.load_weights(models, files, cfg, model_config, par.world_group)
         if cfg.lora_rank:
@@ -786,7 +797,7 @@ def main():
         reward_workers = sandbox.RewardWorkers(
             reward_fn, cfg.reward_workers, cfg.reward_timeout, terms, show_first_error=rank == 0
         )
-        engine = engines.start_engine(cfg, model_config, par, device)
+        engine = engines.start_engine(cfg, model_config, par, device, tower)
     stopping.STOP.listen(cfg.stop_grace, cfg.out_dir, speaks=rank == 0)  # SIGTERM, SIGINT, SIGUSR1, out_dir/STOP
     evaluating = f"evaluating on {min(cfg.eval_prompts, len(test_set or []))} held-out prompts"
     saved = start_step  # the steps after which the newest checkpoint (or, before any, the start) holds the run

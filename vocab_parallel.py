@@ -40,17 +40,22 @@ def sum_over_tp(x, tp_mesh):
     return DTensor.from_local(x, tp_mesh, [Partial()]).full_tensor()
 
 
-def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh, kept=None):
+def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh, kept=None, banned=None):
     """Per token: log p(target), entropy of softmax(hidden @ weight.T / T) and log of the kept sets' mass; weight
     sharded over tp by vocabulary. With `kept`, the ids [C, K] each token was sampled from (-1 beyond its set), log p
-    is renormalised over them."""
+    is renormalised over them. With `banned`, a list of ids that no engine samples (the vision tokens), the softmax
+    is without them, as the engines' (their logits -inf): their probability 0."""
     # Backward sums hidden's gradient over tp (Partial): each rank's slice of the vocabulary adds its part.
     local_hidden = hidden.to_local(grad_placements=[Partial()])
     logits = FP32Logits.apply(local_hidden, weight.to_local()) / temperature  # [C, V / tp]
+    slice_start = tp_mesh.get_local_rank() * math.ceil(weight.shape[0] / tp_mesh.size())  # this rank's first id
+    if banned is not None:  # the least float, not -inf: exp gives 0 all the same, and 0 x it is 0 (entropy's sum)
+        local = torch.tensor(banned, device=logits.device) - slice_start
+        least = torch.finfo(logits.dtype).min
+        logits = logits.index_fill(1, local[(local >= 0) & (local < logits.shape[1])], least)
     max_logit = DTensor.from_local(logits.detach().amax(-1), tp_mesh, [Partial("max")]).full_tensor()
     exp = torch.exp(logits - max_logit[:, None])
     sum_exp = sum_over_tp(exp.sum(-1), tp_mesh)
-    slice_start = tp_mesh.get_local_rank() * math.ceil(weight.shape[0] / tp_mesh.size())  # this rank's first id
     target_logit = sum_over_tp(slice_values(logits, targets[:, None], slice_start).squeeze(-1), tp_mesh)
     log_z = max_logit + sum_exp.log()
     entropy = log_z - sum_over_tp((exp * logits).sum(-1), tp_mesh) / sum_exp
@@ -72,10 +77,10 @@ def slice_values(logits, ids, slice_start, outside=0.0):
     return values.masked_fill(~in_slice, outside)
 
 
-def chunked_logprobs(hidden, lm_head_weight, targets, kept, temperature, chunk, tp_mesh):
+def chunked_logprobs(hidden, lm_head_weight, targets, kept, temperature, chunk, tp_mesh, banned=None):
     """Log-probs, entropies and log kept masses [N] of `targets` from the final hidden states [N, H], the same on
     every tp rank, and the whole lm_head weight [V, H]; `chunk` tokens at a time. `kept`: the kept sets [N, K] of
-    kept_sets, or None without truncated sampling."""
+    kept_sets, or None without truncated sampling; `banned`: ids no engine samples, or None."""
     # lm_head, a root parameter, stays unsharded until backward; as DTensors, backward gathers its grad, sums hidden's.
     weight = DTensor.from_local(lm_head_weight, tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(0)])
     hidden = DTensor.from_local(hidden, tp_mesh, [Replicate()])
@@ -87,7 +92,7 @@ def chunked_logprobs(hidden, lm_head_weight, targets, kept, temperature, chunk, 
     for i in range(0, max(len(targets), 1), chunk):  # one, empty, where no token was sampled
         end = i + chunk
         chunk_kept = None if kept is None else kept[i:end]
-        results.append(compute(hidden[i:end], weight, targets[i:end], temperature, tp_mesh, chunk_kept))
+        results.append(compute(hidden[i:end], weight, targets[i:end], temperature, tp_mesh, chunk_kept, banned))
     return [torch.cat(values) for values in zip(*results)]
 
 

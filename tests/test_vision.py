@@ -1,0 +1,235 @@
+"""Prompts with images, on the tiny Qwen3.5 vision-language model (--model tiny-qwen3.5-vl: a vision tower of one
+block, 4 x 4 pixels a patch, 2 x 2 patches a token) and the colours task: the prompt's ids and pixel values as
+transformers' own Qwen3-VL processor makes them; the HF engine's log-probs equal to the trainer's forward with the
+tower's features and the 4-row positions, at tp 1 and 2; no vision token sampled where it would be the likeliest, the
+log-probs renormalised without them as a float64 reference; image tokens without their pixel values refused; and
+through torchrun, the model learns the colours above its control whose images hide them."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, Qwen3VLProcessor
+
+import checkpoint
+import engines
+import launch
+import reward
+import train
+import vision
+import vocab_parallel
+from test_checkpoint import logged
+from test_train import metrics_lines, torchrun
+from workers import run_ranks
+
+CFG = dict(model="tiny-qwen3.5-vl", task="colours", image_min_pixels=256, image_max_pixels=4096, max_new_tokens=6)
+FLAGS = ("--model", "tiny-qwen3.5-vl", "--task", "colours", "--image_min_pixels", "256", "--image_max_pixels", "4096")
+
+
+def colour_items(n, cfg):
+    """The colours task's first n held-out items: an image each, and the same text."""
+    cfg = train.Config(**{**vars(cfg), "train_size": 20, "test_size": n, "prompts_per_step": 2})
+    return list(reward.PromptDataset(cfg, "test"))
+
+
+class ImageOnlyProcessor(Qwen3VLProcessor):
+    """transformers' Qwen3-VL processor without its video processor, which needs torchvision (not on this CPU)."""
+
+    @classmethod
+    def get_attributes(cls):
+        return [name for name in super().get_attributes() if name != "video_processor"]
+
+
+def test_an_image_prompt_is_encoded_as_transformers_qwen3_vl_processor_encodes_it():
+    """Two images of other sizes in one prompt: each placeholder expanded to its image's tokens, and the pixel
+    values and grid of the checkpoint's image processor, as the processor gives them; a prompt that places more
+    images than it holds is refused."""
+    cfg = train.Config(**CFG)
+    tokenizer = checkpoint.tiny_tokenizer(cfg.model)
+    images = [item["images"][0] for item in colour_items(2, cfg)]
+    images[1] = images[1].resize((40, 24))
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+    ids, inputs = vision.encode_prompt(tokenizer, {"prompt": prompt, "images": images}, cfg)
+    processor = ImageOnlyProcessor(
+        image_processor=vision.image_processor(cfg.model, cfg.image_min_pixels, cfg.image_max_pixels),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    )
+    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    want = processor(text=[text], images=images, return_tensors="pt")
+    assert ids == want["input_ids"][0].tolist() and ids.count(tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 31
+    assert torch.equal(inputs["pixel_values"], want["pixel_values"])
+    assert inputs["image_grid_thw"].tolist() == want["image_grid_thw"].tolist() == [[1, 8, 8], [1, 6, 10]]
+    with pytest.raises(SystemExit, match="places 2 images .* and holds 1"):
+        vision.encode_prompt(tokenizer, {"prompt": prompt, "images": images[:1]}, cfg)
+
+
+def engine_and_trainer(rank, world, tp, boost=0.0):
+    """Responses to colour prompts from the HF engine's vision-language model, and the trainer's log-probs of them
+    (its text model sharded over tp, the tower's features in the image pads, 4-row positions). `boost` raises the
+    image pad's logit above every other's (its lm_head row scaled): a token the engines must never sample."""
+    cfg = train.Config(**CFG, tp=tp, temperature=0.9)
+    items = colour_items(6, cfg)
+    tokenizer, config = checkpoint.load_tokenizer_and_config(cfg, items)
+    par = launch.parallel_groups("cpu", tp)
+    tower = vision.load_tower(cfg, items, [None], torch.device("cpu"))
+    model = train.build_model(config, par.mesh, torch.device("cpu"), tower=tower)
+    checkpoint.load_weights([model], [None], cfg, config, par.world_group)
+    if boost:  # the image pad's LM head row along the hidden states' mean: its logit above every other's
+        prompt_ids, images = vision.encode_prompt(tokenizer, items[0], cfg)
+        model.images = [images]
+        ids = torch.tensor([prompt_ids + [5]])
+        with torch.no_grad():
+            hidden = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
+            mean = hidden.hidden_states[-1][0].mean(0)
+            model.reshard()  # FSDP keeps root parameters whole after a forward without backward
+            model.lm_head.weight.to_local()[tower.vlm_config.image_token_id] = boost * mean / mean.norm()
+    engine = engines.start_engine(cfg, config, par, torch.device("cpu"), tower)
+    engines.push_weights(model, engine, cfg.bucket_mb, par.tp_group)
+
+    def sample():
+        prompts = [vision.encode_prompt(tokenizer, item, cfg) for item in items]
+        samples = [train.Sample(prompt_ids, images=images) for prompt_ids, images in prompts]
+        stop = reward.stop_token_ids(tokenizer)
+        engines.extend_samples(engine, samples, [cfg.max_new_tokens] * len(samples), stop, 0.9, 3, 0, cfg)
+        return samples
+
+    samples = launch.on_first_rank(par.tp_group, sample)
+    with torch.no_grad():
+        logp = train.response_logprobs(model, samples, cfg, par.mesh["tp"])[0]
+        model.banned_ids, banned = None, model.banned_ids  # the same forward, the ban lifted: the likeliest token
+        model.images = [s.images for s in samples]
+        ids, mask = launch.padded([s.prompt_ids + s.response_ids for s in samples], torch.device("cpu"))
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        likeliest = logits[mask.bool()].argmax(-1)
+    return samples, logp, banned, likeliest
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_trainers_log_probs_with_images_equal_the_engines(tp):
+    """The HF engine generates with the pixel values (transformers' vision-language model); the trainer runs its
+    text model on the tower's features in the image pads, with transformers' get_rope_index's positions: the same
+    log-probs at float noise, at tp 1 and 2."""
+    for samples, logp, *_ in run_ranks(engine_and_trainer, tp, tp):
+        engine_logp = torch.cat([s.engine_logprobs for s in samples])
+        assert len(logp) == len(engine_logp) > 6
+        assert (logp - engine_logp).abs().max() < 1e-5
+
+
+def test_no_vision_token_is_sampled_where_it_is_the_likeliest_and_log_probs_renormalise_without_them():
+    """The image pad's logit raised above every token's: no engine samples a vision token; the engine's and the
+    trainer's log-probs are of the softmax without them (float64 from the definition), and the trainer's forward on
+    those responses runs (a sampled pad would have asked for an image that is not there)."""
+    samples, logp, banned, likeliest = run_ranks(engine_and_trainer, 1, 1, 50.0)[0]
+    assert (likeliest == banned[0]).float().mean() > 0.9  # the image pad, where nothing banned it
+    sampled = [t for s in samples for t in s.response_ids]
+    assert not set(sampled) & set(banned) and len(sampled) > 6
+    engine_logp = torch.cat([s.engine_logprobs for s in samples])
+    assert (logp - engine_logp).abs().max() < 1e-5
+    assert engine_logp.max() < 0 and torch.isfinite(logp).all()
+
+
+def banned_logprobs(rank, world, tp):
+    """Log-probs, entropies and the gradient of a mix of both, the vision tokens banned: the trainer's (float32,
+    the vocabulary sharded over tp) and, at tp 0, float64 from the definition."""
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 16, dtype=torch.float64)
+    weight = torch.randn(11, 16, dtype=torch.float64)
+    targets = torch.tensor([0, 4, 10, 2, 9])
+    banned = [1, 7, 8]  # in both ranks' slices at tp 2
+    if tp == 0:
+        w = weight.clone().requires_grad_()
+        logits = (hidden @ w.T).index_fill(1, torch.tensor(banned), -math.inf)
+        logp = torch.log_softmax(logits, -1)
+        entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+        logp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    else:
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+        tp_mesh = launch.parallel_groups("cpu", tp).mesh["tp"]
+        w = distribute_tensor(weight.float(), tp_mesh, [Shard(0)]).requires_grad_()
+        h = DTensor.from_local(hidden.float(), tp_mesh, [Replicate()])
+        logp, entropy, _ = vocab_parallel.logprobs_and_entropy(h, w, targets, 1.0, tp_mesh, banned=banned)
+    (logp @ torch.arange(5.0).to(logp.dtype) + entropy.sum()).backward()
+    grad = w.grad.full_tensor() if hasattr(w.grad, "full_tensor") else w.grad
+    return logp.detach().double(), entropy.detach().double(), grad.double()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_log_probs_and_entropy_without_the_banned_ids_equal_the_definition_in_float64(tp):
+    want = run_ranks(banned_logprobs, 1, 0)[0]
+    for got in run_ranks(banned_logprobs, tp, tp):
+        for value, expected in zip(got, want):
+            assert (value - expected).abs().max() < 1e-5
+
+
+def image_tokens_without_pixels(rank, world):
+    cfg = train.Config(**CFG)
+    items = colour_items(2, cfg)
+    tokenizer, config = checkpoint.load_tokenizer_and_config(cfg, items)
+    par = launch.parallel_groups("cpu", 1)
+    tower = vision.load_tower(cfg, items, [None], torch.device("cpu"))
+    model = train.build_model(config, par.mesh, torch.device("cpu"), tower=tower)
+    checkpoint.load_weights([model], [None], cfg, config, par.world_group)
+    samples = []
+    for item in items:
+        ids, images = vision.encode_prompt(tokenizer, item, cfg)
+        samples.append(train.Sample(ids, response_ids=[5, 6], sampled=[True, True], images=images))
+    errors = []
+    for dropped in ([1], [0, 1]):  # one sample's pixel values, then every sample's: the image tokens kept
+        for i in dropped:
+            samples[i].images = None
+        try:
+            train.response_logprobs(model, samples, cfg, par.mesh["tp"])
+            errors.append("ran")
+        except RuntimeError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_image_tokens_without_their_pixel_values_are_refused_not_run_as_text():
+    assert run_ranks(image_tokens_without_pixels, 1)[0] == [
+        "32 image tokens and 16 image features: an image was dropped",
+        "32 image tokens and 0 image features: an image was dropped",
+    ]
+
+
+def test_the_vision_language_class_takes_the_pushed_weights_under_its_own_names():
+    """The HF engine's copy: every text weight the trainer pushes lands in the vision-language class."""
+    config = checkpoint.tiny_config("tiny-qwen3.5-vl")
+    vlm = AutoModelForImageTextToText.from_config(config)
+    names = set(vlm.state_dict())
+    text = checkpoint.tiny_tokenizer_and_config("tiny-qwen3.5-vl", 0)[1]
+    trainer = train.AutoModelForCausalLM.from_config(text)
+    assert {vision.vlm_name(name) for name in trainer.state_dict()} <= names
+
+
+def test_the_tiny_vision_language_model_learns_the_colours_above_its_control_whose_images_hide_them(tmp_path):
+    flags = (*FLAGS, "--preset", "cpu", "--steps", "60", "--lr", "3e-3", "--max_new_tokens", "4")
+    flags += ("--eval_every", "20", "--eval_prompts", "96", "--sample_every", "0")
+    accuracy = {}
+    for blank in (0, 1):
+        run = torchrun(2, *flags, "--task_args", f"blank={blank}", "--out_dir", str(tmp_path / str(blank)))
+        assert run.returncode == 0, run.stderr[-3000:]
+        evals = [row["eval_greedy_acc"] for row in metrics_lines(tmp_path / str(blank)) if "eval_greedy_acc" in row]
+        accuracy[blank] = max(evals[1:])
+    assert accuracy[0] > 0.8 and accuracy[1] < 0.5, accuracy
+
+
+def test_a_response_in_flight_keeps_its_images_through_a_resume_and_lora_trains_beside_the_frozen_tower(tmp_path):
+    """--partial_rollouts, responses carried over steps and across a save: 2 steps + resume + 2 steps log what 4
+    steps log (the carried responses' images in in_flight.pt). LoRA on the same task: the adapters train, the tower
+    stays frozen."""
+    flags = (*FLAGS, "--preset", "cpu", "--max_new_tokens", "4", "--eval_every", "0", "--sample_every", "0")
+    flags += ("--partial_rollouts", "true", "--tis_cap", "2", "--round_tokens", "2", "--lr", "3e-3")
+    straight = torchrun(2, *flags, "--steps", "4", "--out_dir", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    for steps in ("2", "4"):
+        split = torchrun(2, *flags, "--steps", steps, "--resume", "auto", "--out_dir", str(tmp_path / "split"))
+        assert split.returncode == 0, split.stderr[-3000:]
+    assert (tmp_path / "split" / "checkpoints" / "step_000002" / "in_flight.pt").exists()
+    assert logged(tmp_path / "split") == logged(tmp_path / "straight")
+    assert max(row["responses_carried"] for row in logged(tmp_path / "straight")) > 0
+    lora = torchrun(2, *FLAGS, "--preset", "cpu", "--steps", "2", "--lora_rank", "4", "--out_dir", str(tmp_path / "l"))
+    assert lora.returncode == 0, lora.stderr[-3000:]
+    assert all(row["mismatch_abs"] < 1e-4 for row in metrics_lines(tmp_path / "l") if "mismatch_abs" in row)

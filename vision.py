@@ -1,0 +1,193 @@
+"""Prompts with images, for train.py: what a vision-language checkpoint (Qwen3.5's) adds to the text model that the
+trainer shards. A task's item may hold `images` (PIL images, files under --data_path, or bytes as a parquet column
+of HF datasets' Image feature stores them) and place them in its chat prompt with {"type": "image"} parts.
+
+    encode_prompt(tokenizer, item, cfg)  a prompt's token ids, each image's placeholder expanded to its tokens, and
+                                         its images' inputs (pixel values and grid), from the checkpoint's image
+                                         processor (PIL's, on every machine), sized within --image_min_pixels and
+                                         --image_max_pixels; a text prompt's ids as reward.encode_prompt makes them
+    load_tower(cfg, items, files, ...)   the vision tower, where the items hold images: frozen, replicated on each
+                                         rank, its weights the checkpoint's (model.visual.*)
+    take_images(model, tower)            the text model's forward takes a micro-batch's images (model.images): the
+                                         tower's features in place of the image pads, and the 4-row positions of
+                                         transformers' own get_rope_index (text, then time, height and width)
+    vision_token_ids(config)             the vision tokens, which no engine samples (and log-probs renormalise
+                                         without)
+
+The engines get the same image tokens: the expanded ids with the pixel values the trainer made (engines.py).
+Machinery a researcher rarely edits; a task with images is the same two edits in reward.py as any task.
+"""
+
+import functools
+import io
+import os
+
+import torch
+from transformers import AutoConfig, AutoModel
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+import reward
+
+IMAGE_PAD = "<|image_pad|>"
+
+
+def has_images(items):
+    """Whether any item holds images."""
+    return any(item.get("images") for item in items)
+
+
+@functools.cache
+def vision_config(model):
+    """The vision-language config of --model (Qwen3_5Config: its vision_config, its image token's id), or None for a
+    text model."""
+    import checkpoint  # a tiny model's config is made there
+
+    if model in checkpoint.TINY_MODELS:
+        config = checkpoint.tiny_config(model)
+    else:
+        config = AutoConfig.from_pretrained(model)
+    return config if hasattr(config, "vision_config") else None
+
+
+@functools.cache
+def image_processor(model, min_pixels, max_pixels):
+    """--model's image processor (its preprocessor_config.json; a tiny model's sizes from its vision config), with
+    the PIL backend on every machine, so a CPU and a GPU make the same pixel values; images resized to hold between
+    min_pixels and max_pixels pixels."""
+    config = vision_config(model).vision_config
+    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    if os.path.exists(os.path.join(model, "preprocessor_config.json")):
+        return Qwen2VLImageProcessorPil.from_pretrained(model, size=size)
+    merge = config.spatial_merge_size
+    return Qwen2VLImageProcessorPil(
+        patch_size=config.patch_size, merge_size=merge, temporal_patch_size=config.temporal_patch_size, size=size
+    )
+
+
+def open_image(image, data_path):
+    """A PIL image from an item's entry: a PIL image, a file under --data_path, bytes, or {"bytes": ..., "path": ...}
+    (HF datasets' Image feature undecoded)."""
+    import PIL.Image
+
+    if isinstance(image, dict):
+        image = image.get("bytes") or image["path"]
+    if isinstance(image, bytes):
+        image = PIL.Image.open(io.BytesIO(image))
+    elif isinstance(image, str):
+        image = PIL.Image.open(os.path.join(data_path, image))
+    return image.convert("RGB")
+
+
+def encode_prompt(tokenizer, item, cfg):
+    """An item's prompt as the engine takes it: token ids, and its images' inputs {"pixel_values": [patches, d],
+    "image_grid_thw": [images, 3]} (None without images). Each {"type": "image"} part of the chat prompt is the
+    checkpoint's placeholder (<|vision_start|><|image_pad|><|vision_end|>), whose pad is expanded to the image's
+    tokens (its grid's patches / merge size squared), as transformers' Qwen3-VL processor does."""
+    if not item.get("images"):
+        return reward.encode_prompt(tokenizer, item["prompt"], cfg.plain_template), None
+    images = [open_image(image, cfg.data_path) for image in item["images"]]
+    processor = image_processor(cfg.model, cfg.image_min_pixels, cfg.image_max_pixels)
+    inputs = processor(images=images, return_tensors="pt")
+    text = tokenizer.apply_chat_template(item["prompt"], tokenize=False, add_generation_prompt=True)
+    pieces = text.split(IMAGE_PAD)
+    if len(pieces) - 1 != len(images):
+        raise SystemExit(
+            f"an item's prompt places {len(pieces) - 1} images ({{'type': 'image'}} parts) and holds {len(images)} "
+            "in its images: give PromptDataset.__getitem__'s prompt a part for each (docs/tasks.md: images)"
+        )
+    tokens = (inputs["image_grid_thw"].prod(-1) // processor.merge_size**2).tolist()
+    text = pieces[0] + "".join(IMAGE_PAD * n + piece for n, piece in zip(tokens, pieces[1:]))
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return ids, {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+
+
+def vision_token_ids(config):
+    """The ids of a vision-language config's vision tokens (image and video pads, vision start and end), which no
+    engine samples: a response that held an image pad would ask for an image."""
+    return [config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
+
+
+def vlm_name(name):
+    """A weight's name in the vision-language model from the trainer's text model's (model.* is the language
+    model's, model.language_model.*; the tower's, model.visual.*, and the LM head's are the same)."""
+    if name.startswith("model.") and not name.startswith("model.visual."):
+        return "model.language_model." + name.removeprefix("model.")
+    return name
+
+
+def load_tower(cfg, items, files, device):
+    """Where the items hold images: --model's vision tower (the checkpoint's model.visual.* weights, read by every
+    rank; a tiny model's drawn from --seed), frozen, in the compute dtype, with its vision-language model on the meta
+    device for transformers' get_rope_index. None for a text task; a text model with images is refused."""
+    if not has_images(items):
+        return None
+    config = vision_config(cfg.model)
+    if config is None:
+        raise SystemExit(f"--task {cfg.task} has images and --model {cfg.model} no vision tower: use a Qwen3.5 model")
+    if cfg.plain_template:
+        raise SystemExit("--plain_template has no place for images: drop it (the chat template places them)")
+    if cfg.engine == "sglang":  # its request with the processed images, and the tower's push: to come
+        raise SystemExit("--engine sglang does not take prompts with images yet: use --engine hf")
+    torch.manual_seed(cfg.seed + 1)  # a tiny model's: drawn
+    tower = AutoModel.from_config(config.vision_config)
+    if files != [None]:
+        from safetensors import safe_open
+
+        state = {}
+        for file in files:
+            with safe_open(file, "pt") as handle:
+                for key in handle.keys():
+                    if key.startswith("model.visual."):
+                        state[key.removeprefix("model.visual.")] = handle.get_tensor(key)
+        tower.load_state_dict(state)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tower = tower.to(device, dtype).eval().requires_grad_(False)
+    tower.vlm_config = config  # the vision-language model's
+    with torch.device("meta"):  # transformers' get_rope_index, a method of the vision-language model: no weights
+        tower.rope_index = AutoModel.from_config(config).get_rope_index
+    return tower
+
+
+def take_images(model, tower):
+    """With a vision tower (None: a text task, and nothing here), the text model's forward takes the images of a
+    micro-batch's samples (model.images: each sample's inputs, or None): the tower's features in place of the image
+    pads in the embeddings, and position ids [4, batch, time], the text row and then transformers' get_rope_index's
+    for time, height and width. Image pads without the pixel values to fill them are refused, never run as text.
+    model.banned_ids: the vision tokens, which no engine samples (vocab_parallel renormalises without them)."""
+    model.images = model.banned_ids = None
+    if tower is None:
+        return
+    image_id = tower.vlm_config.image_token_id
+    model.banned_ids = vision_token_ids(tower.vlm_config)
+    features = []
+
+    def before_forward(module, args, kwargs):
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        images = [image for image in model.images or [] if image is not None]
+        image_tokens = (ids == image_id).long()
+        if not images and not image_tokens.any():
+            return None
+        grid = torch.cat([image["image_grid_thw"] for image in images]).to(ids.device) if images else None
+        tokens = 0
+        if images:
+            pixels = torch.cat([image["pixel_values"] for image in images]).to(ids.device, tower.dtype)
+            with torch.no_grad():
+                features.append(tower(pixels, grid_thw=grid).pooler_output)
+            tokens = len(features[-1])
+        if int(image_tokens.sum()) != tokens:
+            features.clear()
+            raise RuntimeError(
+                f"{int(image_tokens.sum())} image tokens and {tokens} image features: an image was dropped"
+            )
+        rows, _ = tower.rope_index(ids, image_tokens, grid, attention_mask=mask)
+        text = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        return args, dict(kwargs, position_ids=torch.cat([text[None], rows]))
+
+    def after_embedding(module, args, embeddings):
+        if not features:
+            return None
+        image_mask = (args[0] == image_id)[..., None].expand_as(embeddings)
+        return embeddings.masked_scatter(image_mask, features.pop().to(embeddings.dtype))
+
+    model.register_forward_pre_hook(before_forward, with_kwargs=True)
+    model.get_input_embeddings().register_forward_hook(after_embedding)
