@@ -7,6 +7,7 @@ reward.py, it imports no torch and starts no process.
 """
 
 import copy
+import glob
 import os
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -92,8 +93,15 @@ def load_rows(dataset, split: str, cfg) -> list[dict]:
     import datasets  # only data that is read needs it
 
     path = data_path or DATASETS[task]  # a local folder: datasets reads the splits from the file names
+    arguments = dict(path=path, name="main" if path == DATASETS["gsm8k"] else None)
+    if os.path.isdir(path):  # the split's jsonl or parquet files: images beside them, datasets would read alone
+        for builder, suffix in (("json", "jsonl"), ("parquet", "parquet")):
+            files = sorted(glob.glob(os.path.join(path, "**", f"{split}*.{suffix}"), recursive=True))
+            if files:
+                arguments = dict(path=builder, data_files={split: files})
+                break
     try:
-        return list(datasets.load_dataset(path, "main" if path == DATASETS["gsm8k"] else None, split=split))
+        return list(datasets.load_dataset(**arguments, split=split))
     except Exception as error:  # no such split, folder or dataset; an empty or malformed file; a failed download
         cause = error.__cause__ or error  # datasets wraps what its reader met
         first_line = (str(cause).splitlines() or [""])[0][:200]

@@ -5,7 +5,11 @@ tower's features and the 4-row positions, at tp 1 and 2; no vision token sampled
 log-probs renormalised without them as a float64 reference; image tokens without their pixel values refused; and
 through torchrun, the model learns the colours above its control whose images hide them."""
 
+import json
 import math
+import os
+import re
+import types
 
 import pytest
 import torch
@@ -15,11 +19,12 @@ import checkpoint
 import engines
 import launch
 import reward
+import task_data
 import train
 import vision
 import vocab_parallel
 from test_checkpoint import logged
-from test_train import metrics_lines, torchrun
+from test_train import ROOT, copy_project, metrics_lines, torchrun
 from workers import run_ranks
 
 CFG = dict(model="tiny-qwen3.5-vl", task="colours", image_min_pixels=256, image_max_pixels=4096, max_new_tokens=6)
@@ -233,3 +238,74 @@ def test_a_response_in_flight_keeps_its_images_through_a_resume_and_lora_trains_
     lora = torchrun(2, *FLAGS, "--preset", "cpu", "--steps", "2", "--lora_rank", "4", "--out_dir", str(tmp_path / "l"))
     assert lora.returncode == 0, lora.stderr[-3000:]
     assert all(row["mismatch_abs"] < 1e-4 for row in metrics_lines(tmp_path / "l") if "mismatch_abs" in row)
+
+
+def test_the_geometry3k_recipe_of_docs_tasks_md_runs_on_a_local_parquet_of_its_schema(tmp_path):
+    """docs/tasks.md's recipe, done to a copy of reward.py as a user would (its __getitem__ and reward_fn branches),
+    on a folder of train and test parquet files of geometry3k's schema (a list of figures in the Image feature,
+    "<image>" in the problem): its command, on the tiny model and the CPU, runs 2 steps and scores by math-verify."""
+    import datasets
+    from PIL import Image, ImageDraw
+
+    with open(os.path.join(ROOT, "docs", "tasks.md")) as f:
+        text = f.read()
+    recipe = text[text.index("### A recipe: geometry3k") : text.index("## A task from a library")]
+    getitem_branch, reward_branch = re.findall(r"```python\n(.*?)```", recipe, re.S)
+    [command] = [line for line in recipe.splitlines() if line.startswith("torchrun")]
+    with open(os.path.join(ROOT, "reward.py")) as f:
+        source = f.read()
+    for anchor, branch in (
+        ('        if task == "toy":', getitem_branch),
+        ('    raise ValueError(f"unknown task', reward_branch),
+    ):
+        assert source.count(anchor) == 1, anchor
+        source = source.replace(anchor, branch + anchor)
+    copy_project(tmp_path, source)
+    features = datasets.Features(
+        {
+            "images": datasets.Sequence(datasets.Image()),
+            "problem": datasets.Value("string"),
+            "answer": datasets.Value("string"),
+        }
+    )
+    for split, n in (("train", 8), ("test", 4)):
+        figures, problems, answers = [], [], []
+        for i in range(n):
+            figure = Image.new("RGB", (40 + 8 * i, 32), "white")
+            ImageDraw.Draw(figure).line([(2, 30), (30 + 8 * i, 2)], fill="black", width=2)
+            figures.append([figure])
+            problems.append(f"<image>Find x, where the line rises {i + 1}.")
+            answers.append(str(i + 1))
+        data = datasets.Dataset.from_dict(dict(images=figures, problem=problems, answer=answers), features=features)
+        data.to_parquet(str(tmp_path / "geo" / f"{split}.parquet"))
+    flags = command.split("train.py ")[1].split()
+    flags += ["--model", "tiny-qwen3.5-vl", "--data_path", str(tmp_path / "geo"), "--steps", "2", "--max_new_tokens"]
+    flags += ["8", "--image_min_pixels", "256", "--image_max_pixels", "4096", "--prompts_per_step", "2"]
+    flags += ["--group_size", "2", "--eval_prompts", "4", "--sample_every", "1", "--out_dir", str(tmp_path / "out")]
+    run = torchrun(2, *flags, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = metrics_lines(tmp_path / "out")
+    assert [row["step"] for row in rows] == [0, 1, 2] and all(row.get("reward_errors", 0) == 0 for row in rows)
+    assert "[image: " in run.stdout and "Find x, where the line rises" in run.stdout  # a sample: its figure named
+
+
+def test_jsonl_rows_that_name_image_files_beside_them_are_read_as_rows_and_their_images_opened(tmp_path):
+    """A --data_path folder of train.jsonl and test.jsonl whose rows name image files under it, named after the
+    splits (images/train_0.png): the rows are the jsonl's (datasets would otherwise read the folder as images
+    alone), and each image opens from its path under --data_path, or from its bytes."""
+    from PIL import Image
+
+    (tmp_path / "images").mkdir()
+    for split in ("train", "test"):
+        with open(tmp_path / f"{split}.jsonl", "w") as f:
+            for i, colour in enumerate("rgb"):
+                Image.new("RGB", (8 + i, 8), reward.COLOURS[colour]).save(tmp_path / "images" / f"{split}_{i}.png")
+                f.write(json.dumps({"image": f"images/{split}_{i}.png", "colour": colour}) + "\n")
+    cfg = train.Config(**CFG, data_path=str(tmp_path))
+    rows = task_data.load_rows(types.SimpleNamespace(args={}), "test", cfg)
+    assert rows == [{"image": f"images/test_{i}.png", "colour": c} for i, c in enumerate("rgb")]
+    image = vision.open_image(rows[2]["image"], cfg.data_path)
+    assert image.size == (10, 8) and image.getpixel((0, 0)) == reward.COLOURS["b"]
+    with open(tmp_path / "images" / "test_2.png", "rb") as f:
+        data = f.read()
+    assert vision.open_image({"bytes": data, "path": None}, "").getpixel((0, 0)) == reward.COLOURS["b"]
