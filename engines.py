@@ -103,24 +103,27 @@ class HFEngine(Engine):
         for i in range(0, len(prompts), batch):  # each batch seeded afresh
             part = slice(i, i + batch)
             routing = None if routing_from is None else routing_from[part]
-            inputs = {} if images is None else self.image_inputs(prompts[part], images[part])
+            inputs = self.image_inputs(None if images is None else images[part])
             outputs += self.generate_batch(prompts[part], budgets[part], sampling, stop_ids, seed + i, routing, inputs)
         return outputs
 
-    def image_inputs(self, prompts, images):
-        """generate's inputs for the images of a batch's prompts, in prompt order, and the vision tokens banned."""
-        images = [image for image in images if image is not None]
-        device = self.model.device
-        return dict(
-            pixel_values=torch.cat([image["pixel_values"] for image in images]).to(device),
-            image_grid_thw=torch.cat([image["image_grid_thw"] for image in images]).to(device),
-            suppress_tokens=vision.vision_token_ids(self.tower.vlm_config),
-        )
+    def image_inputs(self, images):
+        """With a vision tower: generate's inputs for the images of a batch's prompts (each prompt's, or None), in
+        prompt order, and the vision tokens banned, text prompts' too."""
+        if self.tower is None:
+            return {}
+        inputs = dict(suppress_tokens=vision.vision_token_ids(self.tower.vlm_config))
+        images = [image for image in images or [] if image is not None]
+        if images:
+            device = self.model.device
+            inputs["pixel_values"] = torch.cat([image["pixel_values"] for image in images]).to(device)
+            inputs["image_grid_thw"] = torch.cat([image["image_grid_thw"] for image in images]).to(device)
+        return inputs
 
     def generate_batch(self, prompts, budgets, sampling, stop_ids, seed, routing_from, image_inputs):
         ids, mask = launch.padded(prompts, self.model.device, left=True)
         longest = ids.shape[1]
-        if image_inputs:  # which tokens are an image's (1), or text (0)
+        if "pixel_values" in image_inputs:  # which tokens are an image's (1), or text (0)
             image_inputs["mm_token_type_ids"] = (ids == self.tower.vlm_config.image_token_id).long()
         self.model.routed.clear()
         with torch.random.fork_rng(devices=[]):  # seeded sampling that leaves the global RNG alone

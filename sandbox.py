@@ -432,9 +432,11 @@ def _serve(connection: socket.socket) -> None:
     """A worker: calls each (function, args) that arrives (reward_fn's or the tool's) until the trainer closes the
     connection."""
     os.setsid()  # its own session and process group: signals sent to the trainer's group are the trainer's
-    # Not the trainer's stop handler, which a replacement inherits: a batch system signals every process of a job,
-    # and a worker is the trainer's to end (it kills it, and the worker dies with it).
-    for sig in stopping.SIGNALS:
+    # Not the trainer's stop handler, which a replacement inherits. SIGTERM ends a worker, as multiprocessing's own
+    # clean-up at exit needs; SIGINT and SIGUSR1 (a batch system's time-limit warning, sent to every process of a
+    # job) leave it scoring: a stop is the trainer's to act on.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for sig in (signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux): killed when the trainer dies

@@ -237,10 +237,10 @@ def test_the_run_takes_its_reward_terms_from_what_reward_fn_returns_on_the_items
         task_data.check_items(items, "train", reward.reward_fn)
 
 
-def test_workers_ignore_the_jobs_stop_signals_and_close_ends_what_reward_fn_started(bad_reward, tmp_path):
-    """Workers forked after the trainer's stop handler (replacements are) take neither it nor a stop signal's
-    default: a batch system signals every process of a job (SIGTERM, SIGUSR1, SIGINT), and a worker killed there
-    would score its call 0 in the step that is saving. They go on scoring; close() ends a stuck worker at once, and
+def test_workers_take_no_trainer_stop_handler_and_close_ends_what_reward_fn_started(bad_reward, tmp_path):
+    """Workers forked after the trainer's stop handler (replacements are) take none of it: SIGINT and SIGUSR1 (a
+    batch system's warning, sent to every process of a job) leave them scoring, SIGTERM ends them (multiprocessing's
+    clean-up at exit sends it) rather than print that they finish the step; close() ends a stuck worker at once, and
     the process its reward_fn started."""
     import psutil
 
@@ -248,11 +248,14 @@ def test_workers_ignore_the_jobs_stop_signals_and_close_ends_what_reward_fn_star
     try:
         workers = sandbox.RewardWorkers(reward.reward_fn, 2, timeout=0.5)
         process = workers.workers[0][0]
-        for sig in stopping.SIGNALS:
+        for sig in (signal.SIGINT, signal.SIGUSR1):
             os.kill(process.pid, sig)
         process.join(0.5)
         assert process.is_alive()
         assert workers.score(["aaax"], [{"task": "toy", "target": "a"}]) == ([0.75], [])  # scored by a worker
+        os.kill(process.pid, signal.SIGTERM)
+        process.join(5)
+        assert process.exitcode == -signal.SIGTERM
         rewards, errors = workers.score(["agag"], [{"task": "toy", "target": "a", "pid_file": str(tmp_path / "pid")}])
         started = psutil.Process(int((tmp_path / "pid").read_text()))
         assert rewards == [0.0] and "did not answer within" in errors[0]
