@@ -13,6 +13,7 @@ import types
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForImageTextToText, Qwen3VLProcessor
 
 import checkpoint
@@ -309,3 +310,66 @@ def test_jsonl_rows_that_name_image_files_beside_them_are_read_as_rows_and_their
     with open(tmp_path / "images" / "test_2.png", "rb") as f:
         data = f.read()
     assert vision.open_image({"bytes": data, "path": None}, "").getpixel((0, 0)) == reward.COLOURS["b"]
+
+
+def image_step(rank, world, dp, tp):
+    """One SGD step of train_on_rollouts on colour prompts (4 a rank, random responses and advantages), the text
+    model sharded over (dp, tp) beside the frozen tower, against the formula on transformers' vision-language model
+    whole: its own forward with the pixel values, the vision tokens' logits -inf, the token-mean surrogate at ratio
+    1, the grad norm clipped. Returns the largest difference of the text weights after the step, and both norms."""
+    cfg = train.Config(**CFG, tp=tp, micro_batch_size=3, max_grad_norm=0.05)
+    items = colour_items(4 * dp, cfg)
+    tokenizer, config = checkpoint.load_tokenizer_and_config(cfg, items)
+    par = launch.parallel_groups("cpu", tp)
+    tower = vision.load_tower(cfg, items, [None], torch.device("cpu"))
+    model = train.build_model(config, par.mesh, torch.device("cpu"), tower=tower)
+    checkpoint.load_weights([model], [None], cfg, config, par.world_group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # before the first forward
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    start = {name: tensor.clone() for name, tensor in full.items()}  # at dp 1, views of what the step changes
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for item in items:
+        prompt_ids, images = vision.encode_prompt(tokenizer, item, cfg)
+        response = torch.randint(3, 90, (int(torch.randint(2, 6, (), generator=g)),), generator=g).tolist()
+        advantage = torch.randn((), generator=g).item()
+        sampled = [True] * len(response)
+        logprobs = torch.zeros(len(response))
+        samples.append(train.Sample(prompt_ids, response, sampled, logprobs, advantage=advantage, images=images))
+    mine = samples[par.dp_rank * 4 : (par.dp_rank + 1) * 4]
+    _, maxima = train.train_on_rollouts(model, optimizer, mine, cfg, par)
+    after = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    reference = AutoModelForImageTextToText.from_config(tower.vlm_config)
+    reference.load_state_dict({vision.vlm_name(name): w for name, w in start.items()}, strict=False)
+    reference.model.visual.load_state_dict(tower.state_dict())
+    reference.tie_weights()
+    reference.model.visual.requires_grad_(False)
+    tokens = sum(len(s.response_ids) for s in samples)
+    loss = 0.0
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logits = reference(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=s.images["pixel_values"],
+            image_grid_thw=s.images["image_grid_thw"],
+            mm_token_type_ids=(ids == tower.vlm_config.image_token_id).long(),
+        ).logits[0, len(s.prompt_ids) - 1 : -1]
+        logits = logits.index_fill(1, torch.tensor(vision.vision_token_ids(tower.vlm_config)), -math.inf)
+        logp = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
+        loss = loss - (s.advantage * logp).sum() / tokens  # the ratio's value is 1, its gradient log p's
+    loss.backward()
+    text = [p for name, p in reference.named_parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(text, 0.05).item()
+    with torch.no_grad():
+        for p in text:
+            p -= 0.1 * p.grad
+    expected = {name: reference.state_dict()[vision.vlm_name(name)] for name in after}
+    return max((after[name] - expected[name]).abs().max().item() for name in after), maxima["grad_norm"], norm
+
+
+@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_a_sharded_step_on_image_prompts_equals_the_vision_language_models_own_step(dp, tp):
+    for weights, sharded_norm, norm in run_ranks(image_step, dp * tp, dp, tp):
+        assert sharded_norm == pytest.approx(norm, rel=1e-4) and norm > 0.05  # the clipping scaled the step
+        assert weights < 1e-5
