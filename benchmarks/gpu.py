@@ -320,8 +320,10 @@ def bf16_logits():
     """train.py's log-prob pass with logits made in bf16 and cast to fp32 (no fp32 LM head); tp 1 only."""
     fp32 = vocab_parallel.logprobs_and_entropy
 
-    def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh, kept=None):
+    def logprobs_and_entropy(hidden, weight, targets, temperature, tp_mesh, kept=None, banned=None):
         logits = (hidden.to_local().bfloat16() @ weight.to_local().bfloat16().T).float() / temperature
+        if banned is not None:  # prompts with images: the vision tokens, which no engine samples
+            logits = logits.index_fill(1, torch.tensor(banned, device=logits.device), torch.finfo(logits.dtype).min)
         logp = torch.log_softmax(logits, -1)
         entropy = -(logp.exp() * logp).sum(-1)
         log_kept_mass = torch.zeros_like(entropy)
