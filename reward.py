@@ -91,7 +91,9 @@ def reward_fn(completion: str, item: dict, args: dict | None = None) -> float | 
         return gsm8k_reward(completion, item["answer"])
     if task == "math":
         return math_reward(completion, item["answer"])
-    if task in ("toy", "colours"):  # the share of the completion that is the target letter
+    if task == "toy":
+        return toy_reward(completion, item["target"])
+    if task == "colours":  # the share of the completion that is the colour's letter, as in toy
         return toy_reward(completion, item["target"])
     raise ValueError(f"unknown task {task!r}: add a branch for it to reward_fn in reward.py (README: your own task)")
 
