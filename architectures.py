@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     WeightConverter,
@@ -46,6 +46,8 @@ from transformers.core_model_loading import (
 )
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+import vision
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tensor parallelism: a plan per layer type
@@ -454,12 +456,12 @@ def engine_weights(config, name, weight, bucket_bytes):
             yield part.format(expert), piece
 
 
-def check_engine_names(model, config, bucket_bytes):
+def check_engine_names(model, config, bucket_bytes, tower=None):
     """Every tensor the push sends (engine_weights, at --bucket_mb) under a name and shape that SGLang's class for the
     architecture loads, and every weight it loads sent. It loads the hub's layout (the per-expert names
-    save_pretrained writes), and fused experts where the table says it takes those. SGLang skips a name it does not
-    know and still reports success, and keeps its own random values where nothing came: either is refused here, at
-    start, named."""
+    save_pretrained writes), and fused experts where the table says it takes those; with a vision tower, the
+    vision-language class's, whose tower's weights are pushed too. SGLang skips a name it does not know and still
+    reports success, and keeps its own random values where nothing came: either is refused here, at start, named."""
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     trained = {name: param.detach() for name, param in meta.named_parameters()}
@@ -472,19 +474,25 @@ def check_engine_names(model, config, bucket_bytes):
             if expert_parts(name):
                 loads[name] = list(tensor.shape)
                 fused[name] = {part.format(i) for part in expert_parts(name) for i in range(len(tensor))}
-    sent = set()
+    pieces = []
     for name, param in model.named_parameters():
-        if ".lora_" in name:
-            continue
-        weight = torch.empty(param.shape, dtype=torch.bfloat16, device="meta")  # as SGLang's push sends it
-        for piece_name, piece in engine_weights(config, name, weight, bucket_bytes):
-            sent |= {piece_name, *fused.get(piece_name, ())}
-            if loads.get(piece_name) != list(piece.shape):
-                loaded = f"it as {loads[piece_name]}" if piece_name in loads else "no such weight"
-                raise SystemExit(
-                    f"the trainer would push {piece_name} as {list(piece.shape)}; SGLang's {config.architectures[0]} "
-                    f"loads {loaded} and would skip it: check architectures.py's entry for {config.model_type}"
-                )
+        if ".lora_" not in name:
+            weight = torch.empty(param.shape, dtype=torch.bfloat16, device="meta")  # as SGLang's push sends it
+            pieces += engine_weights(config, name, weight, bucket_bytes)
+    if tower is not None:
+        with torch.device("meta"):
+            vlm = AutoModelForImageTextToText.from_config(tower.vlm_config)
+        loads |= {name: list(p.shape) for name, p in vlm.named_parameters() if name.startswith("model.visual.")}
+        pieces += vision.tower_weights(tower, torch.bfloat16)
+    sent = set()
+    for piece_name, piece in pieces:
+        sent |= {piece_name, *fused.get(piece_name, ())}
+        if loads.get(piece_name) != list(piece.shape):
+            loaded = f"it as {loads[piece_name]}" if piece_name in loads else "no such weight"
+            raise SystemExit(
+                f"the trainer would push {piece_name} as {list(piece.shape)}; SGLang's {config.architectures[0]} "
+                f"loads {loaded} and would skip it: check architectures.py's entry for {config.model_type}"
+            )
     unsent = sorted(name for name in loads.keys() - sent if name not in fused)
     if unsent:
         raise SystemExit(

@@ -208,8 +208,8 @@ def start_engine(cfg, model_config, par, device, tower=None):
         nccl_port = port.getsockname()[1]
         dist.barrier(group=par.world_group)
     if owner:
-        return SGLangEngine(cfg, model_config, first_gpu, nccl_port)
-    return SGLangPeer(model_config)
+        return SGLangEngine(cfg, model_config, first_gpu, nccl_port, tower)
+    return SGLangPeer(model_config, tower)
 
 
 class SGLangPeer(Engine):
@@ -217,13 +217,18 @@ class SGLangPeer(Engine):
 
     push_dtype = torch.bfloat16
 
-    def __init__(self, model_config):
+    def __init__(self, model_config, tower=None):
         self.model_config = model_config
+        self.tower = tower
 
     def pieces(self, weights, bucket_bytes):
-        """As SGLang's class for the architecture loads them (architectures.engine_weights: per-expert names)."""
+        """As SGLang's class for the architecture loads them (architectures.engine_weights: per-expert names); with a
+        vision tower, its weights too, under the checkpoint's names: the engine frees them with the others at each
+        release, so every push brings them back."""
         for name, weight in weights:
             yield from architectures.engine_weights(self.model_config, name, weight, bucket_bytes)
+        if self.tower is not None:
+            yield from vision.tower_weights(self.tower, self.push_dtype)
 
     def update(self, bucket, group):
         gather_bucket(bucket, group)
@@ -247,14 +252,18 @@ def gather_bucket(bucket, group):
 class SGLangEngine(SGLangPeer):
     """In-process SGLang on the TP group's GPUs, run by the owner; bf16 buckets come by CUDA IPC, not through disk."""
 
-    def __init__(self, cfg, model_config, first_gpu, nccl_port):
+    def __init__(self, cfg, model_config, first_gpu, nccl_port, tower=None):
         import sglang
 
-        super().__init__(model_config)
+        super().__init__(model_config, tower)
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # or its schedulers hang joining torchrun's store
         os.environ["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "false"  # GPUs >10% apart in free memory: safe
         config_dir = os.path.join(cfg.out_dir, f"engine_model_rank{dist.get_rank()}")  # read from disk by SGLang
-        architectures.engine_config(model_config).save_pretrained(config_dir)
+        config = architectures.engine_config(model_config)
+        if tower is None:
+            config.save_pretrained(config_dir)
+        else:  # prompts with images: the vision-language class, and the processor its image path builds
+            vision.save_engine_model(cfg, tower, config, config_dir)
         # The engine's processes inherit ignored stop signals (SIGINT, SIGTERM, SIGUSR1): a stop is the trainer's to
         # act on, and torchrun and batch systems send their signals to every process.
         handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stopping.SIGNALS}
@@ -282,21 +291,23 @@ class SGLangEngine(SGLangPeer):
         # The first request starts SGLang's event loop, which installs its own SIGTERM handler: the trainer's wins.
         self.engine.generate(input_ids=[[0]], sampling_params={"max_new_tokens": 1})
 
-    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None):
+    def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None, images=None):
         # Seeded at start, by --seed. With routing_from, the routed experts of every sequence from the least of them.
         sampling = []
         for budget in budgets:
             params = dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_ids, max_new_tokens=budget)
             if top_k > 0:
                 params["top_k"] = top_k
+            if self.tower is not None:  # no vision token sampled; SGLang's log-probs are then over the others
+                params["logit_bias"] = {str(i): float("-inf") for i in vision.vision_token_ids(self.tower.vlm_config)}
             sampling.append(params)
-        routing = {}
+        request = self.image_request(images)
         if routing_from is not None:
-            routing = dict(return_routed_experts=True, routed_experts_start_len=min(routing_from))
+            request.update(return_routed_experts=True, routed_experts_start_len=min(routing_from))
         if temperature > 0 and (top_p < 1 or top_k > 0):
-            outputs = self.interruptible(self.generate_truncated, prompts, sampling, routing)
+            outputs = self.interruptible(self.generate_truncated, prompts, sampling, request)
         else:
-            request = dict(input_ids=prompts, sampling_params=sampling, return_logprob=True, **routing)
+            request.update(input_ids=prompts, sampling_params=sampling, return_logprob=True)
             outputs = self.interruptible(self.engine.generate, **request)
         results = []
         for i, out in enumerate(outputs):
@@ -318,6 +329,17 @@ class SGLangEngine(SGLangPeer):
                 (out["output_ids"], torch.tensor(logprobs, dtype=torch.float32), kept_ids, kept_sizes, experts)
             )
         return results
+
+    @staticmethod
+    def image_request(images):
+        """Each prompt's images (vision.encode_prompt's inputs, or None) as SGLang takes them with the prompt's
+        expanded ids: processed, whose pixels and grid its processor takes as they are. Never the raw images: with
+        expanded ids, SGLang's processor would expand each pad again and run out of images, and hang (or raise with
+        one worker thread)."""
+        if images is None or all(image is None for image in images):
+            return {}
+        processed = [[] if image is None else [dict(image, format="processor_output")] for image in images]
+        return {"image_data": processed}
 
     def interruptible(self, generate, *args, **kwargs):
         """generate(*args, **kwargs), its requests aborted once a stop leaves no time to finish the step (looked at
@@ -343,13 +365,13 @@ class SGLangEngine(SGLangPeer):
             self.engine.tokenizer_manager.abort_request(abort_all=True)
         self.watcher = self.engine.loop.call_later(1.0, self.watch)
 
-    def generate_truncated(self, prompts, sampling, routing):
+    def generate_truncated(self, prompts, sampling, request):
         """Top-p / top-k sampling with each token's kept set, and its log-prob renormalised over that set, as SGLang
         reports them (return_sampling_mask). Engine.generate has no keyword for it: the request is sent as it sends
         its own. A kept set must be at most --sampling-mask-max-tokens (4096), which MAX_KEPT keeps it under."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        request = GenerateReqInput(input_ids=prompts, sampling_params=sampling, return_sampling_mask=True, **routing)
+        request = GenerateReqInput(input_ids=prompts, sampling_params=sampling, return_sampling_mask=True, **request)
         replies = self.engine.tokenizer_manager.generate_request(request, None)
         return self.engine.loop.run_until_complete(replies.__anext__())
 

@@ -784,7 +784,7 @@ def main():
         checkpoint.load_weights(models, files, cfg, model_config, par.world_group)
         if cfg.lora_rank:
             lora.init_adapters(model, cfg.seed)
-        architectures.check_engine_names(model, model_config, cfg.bucket_mb << 20)
+        architectures.check_engine_names(model, model_config, cfg.bucket_mb << 20, tower)
         # Before any forward: FSDP2 then leaves root parameters unsharded, and an optimizer would hold stale tensors.
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # frozen: no state
         in_flight = InFlight([], next_batch=start_step)  # --partial_rollouts: the groups this rank's engine holds

@@ -11,6 +11,8 @@ of HF datasets' Image feature stores them) and place them in its chat prompt wit
     take_images(model, tower)            the text model's forward takes a micro-batch's images (model.images): the
                                          tower's features in place of the image pads, and the 4-row positions of
                                          transformers' own get_rope_index (text, then time, height and width)
+    tower_weights(tower, dtype)          the tower's weights under the checkpoint's names, as the push sends them
+    save_engine_model(cfg, tower, ...)   SGLang's model path: the vision-language config, the processor's files
     vision_token_ids(config)             the vision tokens, which no engine samples (and log-probs renormalise
                                          without)
 
@@ -18,12 +20,14 @@ The engines get the same image tokens: the expanded ids with the pixel values th
 Machinery a researcher rarely edits; a task with images is the same two edits in reward.py as any task.
 """
 
+import copy
 import functools
 import io
 import os
 
 import torch
 from transformers import AutoConfig, AutoModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import reward
@@ -126,8 +130,6 @@ def load_tower(cfg, items, files, device):
         raise SystemExit(f"--task {cfg.task} has images and --model {cfg.model} no vision tower: use a Qwen3.5 model")
     if cfg.plain_template:
         raise SystemExit("--plain_template has no place for images: drop it (the chat template places them)")
-    if cfg.engine == "sglang":  # its request with the processed images, and the tower's push: to come
-        raise SystemExit("--engine sglang does not take prompts with images yet: use --engine hf")
     torch.manual_seed(cfg.seed + 1)  # a tiny model's: drawn
     tower = AutoModel.from_config(config.vision_config)
     if files != [None]:
@@ -146,6 +148,37 @@ def load_tower(cfg, items, files, device):
     with torch.device("meta"):  # transformers' get_rope_index, a method of the vision-language model: no weights
         tower.rope_index = AutoModel.from_config(config).get_rope_index
     return tower
+
+
+def tower_weights(tower, dtype):
+    """The vision tower's weights in `dtype`, under the checkpoint's names (model.visual.*), which SGLang's
+    vision-language class loads."""
+    for name, weight in tower.state_dict().items():
+        yield "model.visual." + name, weight.to(dtype)
+
+
+def save_engine_model(cfg, tower, text_config, folder):
+    """What SGLang reads from its model path for prompts with images, in `folder`: the checkpoint's vision-language
+    config holding the engine's text config (architectures.engine_config), and its processor's files (tokenizer,
+    image and video processors), from which SGLang builds its image path even when it is given token ids."""
+    import shutil
+
+    import checkpoint
+
+    config = copy.deepcopy(tower.vlm_config)
+    config.text_config = text_config
+    config.architectures = [MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[config.model_type]]
+    if getattr(config.vision_config, "deepstack_visual_indexes", None) is None:  # SGLang's Qwen3.5 tower reads it
+        config.vision_config.deepstack_visual_indexes = []
+    config.save_pretrained(folder)
+    if cfg.model in checkpoint.TINY_MODELS:
+        checkpoint.tiny_tokenizer(cfg.model).save_pretrained(folder)
+        image_processor(cfg.model, cfg.image_min_pixels, cfg.image_max_pixels).save_pretrained(folder)
+        return
+    source = checkpoint.model_folder(cfg.model, download=False)
+    for file in os.listdir(source):
+        if not file.startswith("model") and file != "config.json" and os.path.isfile(os.path.join(source, file)):
+            shutil.copyfile(os.path.join(source, file), os.path.join(folder, file))
 
 
 def take_images(model, tower):

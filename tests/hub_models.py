@@ -102,22 +102,29 @@ def save_hub_model(folder, architecture, seed=0):
     """The architecture's tiny random model in the hub's layout (see the module's docstring); returns the folder."""
     os.makedirs(folder, exist_ok=True)
     if architecture in VLM_CLASSES:
-        model = randomized(VLM_CLASSES[architecture](hub_config(architecture)), seed)
-        state = dict(model.state_dict())
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight")
-        # The multi-token-prediction head the hub's checkpoints carry, which transformers does not build.
-        generator = torch.Generator().manual_seed(seed + 1)
-        state["mtp.fc.weight"] = torch.randn(TEXT["hidden_size"], 2 * TEXT["hidden_size"], generator=generator)
-        state["mtp.norm.weight"] = torch.ones(TEXT["hidden_size"])
-        save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})  # as it is: fused
-        model.config.save_pretrained(folder)
+        save_vision_language_model(folder, hub_config(architecture), seed)
     else:
         model = randomized(AutoModelForCausalLM.from_config(text_config(architecture)), seed)
         model.save_pretrained(folder, max_shard_size="200KB")  # experts per expert, as transformers writes them
     with_the_hubs_fields(os.path.join(folder, "config.json"), architecture)
     demo_tokenizer().save_pretrained(folder)
     return str(folder)
+
+
+def save_vision_language_model(folder, config, seed=0):
+    """A random vision-language model of `config` in `folder` as the hub ships Qwen3.5: its class's tensors as they
+    are (experts fused), a tied LM head left out, the multi-token-prediction head that transformers does not build
+    added, and config.json."""
+    model = randomized(VLM_CLASSES[config.model_type](config), seed)
+    state = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    hidden = config.text_config.hidden_size
+    generator = torch.Generator().manual_seed(seed + 1)
+    state["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator)
+    state["mtp.norm.weight"] = torch.ones(hidden)
+    save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(folder)
 
 
 def with_the_hubs_fields(path, architecture):

@@ -448,6 +448,8 @@ class QueueTokenizerManager:
     def __init__(self, requests, replies, timeout=TIMEOUT):
         self.requests, self.replies, self.timeout = requests, replies, timeout
         self.generate_requests = []
+        self.mm_processor = None  # a vision-language model's (mm_processor_of)
+        self.processed_images = []  # per prompt with images: what the multimodal processor made of it
 
     def _gather(self, message):
         """message to every rank of the engine; their answers by rank, or EngineRankFailed with every traceback."""
@@ -472,10 +474,30 @@ class QueueTokenizerManager:
         return [msgpack_decode(self._gather(msgpack_encode(request))[0])]  # msgpack: as sock_send
 
     async def generate_request(self, obj, request=None):
-        """No generation here: the request normalized as the tokenizer manager does, recorded, answered empty."""
+        """No generation here: the request normalized as the tokenizer manager does, recorded, answered with no
+        tokens. A prompt with images goes through sglang's multimodal processor as _tokenize_one_request sends it
+        (its input ids, its image_data), and what it makes is recorded: the ids the scheduler would get, the image
+        items' pixel values and grids, the mrope positions."""
         obj.normalize_batch_and_arguments()
         self.generate_requests.append((obj.input_ids, obj.sampling_params))
-        yield {"output_ids": [], "meta_info": {}}
+        for i in range(1 if obj.is_single else obj.batch_size):
+            one = obj if obj.is_single else obj[i]
+            if self.mm_processor is not None and one.contains_mm_input():
+                processed = await self.mm_processor.process_mm_data_async(
+                    image_data=one.image_data, input_text=one.input_ids, request_obj=one, max_req_input_len=1 << 20
+                )
+                items = [item for item in processed.mm_items if item.is_image()]
+                self.processed_images.append(
+                    {
+                        "prompt": i,
+                        "input_ids": list(processed.input_ids),
+                        "pixel_values": torch_cat([item.feature for item in items]),
+                        "image_grid_thw": torch_cat([item.model_specific_data["image_grid_thw"] for item in items]),
+                        "mrope_positions": processed.mrope_positions,
+                    }
+                )
+        reply = {"output_ids": [], "meta_info": {"output_token_logprobs": []}}
+        yield reply if obj.is_single else [reply] * obj.batch_size
 
     async def begin_weight_update(self, obj, request=None):
         from sglang.srt.managers.communicator import FanOutCommunicator
@@ -521,10 +543,50 @@ def harness_engine_class(requests, replies):
             self.kwargs = dict(kwargs)
             self.environ = {k: v for k, v in os.environ.items() if k not in self.unset_environ}
             self.tokenizer_manager = QueueTokenizerManager(requests, replies)
+            self.tokenizer_manager.mm_processor = mm_processor_of(self.kwargs)
             self.loads = self.tokenizer_manager.start_engine(self.kwargs, self.environ)
             self.loop = Engine._ensure_event_loop()
 
     return HarnessEngine
+
+
+def torch_cat(tensors):
+    import torch
+
+    return torch.cat([tensor.reshape(-1, tensor.shape[-1]) for tensor in tensors])
+
+
+def mm_processor_of(engine_kwargs):
+    """The multimodal processor sglang's TokenizerManager builds for a vision-language model_path (get_mm_processor:
+    Qwen3.5's QwenVLImageProcessor), with skip_tokenizer_init too; None for a text model. Its transformers processor
+    is Qwen3-VL's made from the folder's tokenizer and image processor files, without the video processor that
+    AutoProcessor would add: transformers' needs torchvision, which a CPU has as tests/sglang_cpu_stubs' stub alone.
+    Its ServerArgs are the engine ranks' (device "cpu")."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.managers.multimodal_processor import get_mm_processor, import_processors
+    from sglang.srt.multimodal.transport import determine_tensor_transport_mode
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from demo_model import ImageOnlyProcessor
+
+    server_args = ServerArgs(**engine_kwargs, device="cpu", disable_overlap_schedule=True)
+    model_config = ModelConfig.from_server_args(server_args)
+    if not model_config.is_multimodal:
+        return None
+
+    folder = server_args.model_path
+    processor = ImageOnlyProcessor(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        video_processor=None,
+    )
+    publish(server_args, role="tokenizer")
+    import_processors("sglang.srt.multimodal.processors")
+    transport = determine_tensor_transport_mode()
+    return get_mm_processor(model_config.hf_config, server_args, processor, transport, model_config=model_config)
 
 
 class SessionlessView:
@@ -566,9 +628,10 @@ def trainer_config(folder):
     return checkpoint.tokenizer_and_config(folder)[1]
 
 
-def trainer_model(folder, par, bucket_mb):
+def trainer_model(folder, par, bucket_mb, tower=None):
     """The trainer's policy as main builds it: sharded over par.mesh, then the checkpoint in `folder` streamed in, and
-    main's check that the push at bucket_mb sends every weight SGLang's class loads, under names it loads."""
+    main's check that the push at bucket_mb sends every weight SGLang's class loads, under names it loads (with a
+    vision tower, the vision-language class's)."""
     import torch
 
     import architectures
@@ -581,8 +644,45 @@ def trainer_model(folder, par, bucket_mb):
     cfg = train.Config(model=folder, bucket_mb=bucket_mb)
     files = launch.on_first_rank(par.world_group, checkpoint.weight_files, cfg.model)
     checkpoint.load_weights([model], files, cfg, config, par.world_group)
-    architectures.check_engine_names(model, config, cfg.bucket_mb << 20)
+    architectures.check_engine_names(model, config, cfg.bucket_mb << 20, tower)
     return model
+
+
+def trainer_tower(folder):
+    """The vision tower of a vision-language folder, as main loads it for a task with images (vision.load_tower)."""
+    import torch
+
+    import checkpoint
+    import train
+    import vision
+
+    cfg = train.Config(model=folder)
+    return vision.load_tower(cfg, [{"images": ["an image"]}], checkpoint.weight_files(folder), torch.device("cpu"))
+
+
+def image_prompts(folder, tower, engine, images):
+    """engines.SGLangEngine.generate of two prompts, one with `images` (PIL images) and one text prompt, encoded as
+    the trainer encodes them (vision.encode_prompt); what the engine's tokenizer manager recorded of them (its
+    multimodal processor's output per prompt with images, each prompt's sampling parameters), and the trainer's
+    own: the prompt's ids, pixel values and grid, and the 3 rows of mrope positions of the vision-language model."""
+    import torch
+
+    import checkpoint
+    import train
+    import vision
+
+    cfg = train.Config(model=folder, image_min_pixels=256, image_max_pixels=4096)
+    tokenizer = checkpoint.tokenizer_and_config(folder)[0]
+    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": "What colour?"}]
+    items = [{"prompt": [{"role": "user", "content": parts}], "images": images}, {"prompt": "Say a:"}]
+    prompts, inputs = zip(*[vision.encode_prompt(tokenizer, item, cfg) for item in items])
+    manager = engine.engine.tokenizer_manager
+    manager.processed_images.clear()
+    engine.generate(list(prompts), [2, 2], 1.0, 1.0, 0, [2], 0, images=list(inputs))
+    ids = torch.tensor([prompts[0]])
+    rows, _ = tower.rope_index(ids, (ids == tower.vlm_config.image_token_id).long(), inputs[0]["image_grid_thw"])
+    trainer = dict(inputs[0], input_ids=prompts[0], mrope_positions=rows[:, 0])
+    return {"engine": manager.processed_images, "sampling": manager.generate_requests[-1][1], "trainer": trainer}
 
 
 def trainer_rank_main(rank, world, port, links, commands, results, sys_path):
@@ -609,7 +709,9 @@ def trainer_rank_main(rank, world, port, links, commands, results, sys_path):
         results.put((rank, None, failure()))
         return
     shapes = [
-        types.SimpleNamespace(tp=tp, requests=requests, replies=replies, par=None, engine_class=None, engine=None)
+        types.SimpleNamespace(
+            tp=tp, requests=requests, replies=replies, par=None, engine_class=None, engine=None, tower=None
+        )
         for tp, requests, replies in links
     ]
     while True:
@@ -644,8 +746,10 @@ def run_trainer_command(rank, shape, kind, options):
             shape.engine_class = shape.engine_class or harness_engine_class(shape.requests, shape.replies)
             shape.engine_class.unset_environ = options.get("unset_environ", ())
             sglang.Engine = shape.engine_class
-        cfg = train.Config(engine="sglang", tp=shape.tp, out_dir=options["out_dir"], seed=3)
-        shape.engine = engines.start_engine(cfg, trainer_config(options["folder"]), par, torch.device("cpu"))
+        cfg = train.Config(engine="sglang", tp=shape.tp, out_dir=options["out_dir"], seed=3, model=options["folder"])
+        shape.tower = trainer_tower(options["folder"]) if options.get("images") else None
+        config = trainer_config(options["folder"])
+        shape.engine = engines.start_engine(cfg, config, par, torch.device("cpu"), shape.tower)
         if not owner:  # an SGLangPeer: no sglang.Engine
             return None
         engine = shape.engine.engine
@@ -663,6 +767,8 @@ def run_trainer_command(rank, shape, kind, options):
     if kind == "release":
         trainer_engine.release_memory()
         return None
+    if kind == "image_prompts":
+        return image_prompts(options["folder"], shape.tower, trainer_engine, options["images"]) if owner else None
     if kind == "update_outside_session":  # the owner alone: it serializes every engine rank's copy
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
@@ -678,7 +784,7 @@ def run_trainer_command(rank, shape, kind, options):
         return engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket", flush_cache=False)
     assert kind == "push", kind
     began = time.perf_counter()
-    model = trainer_model(options["folder"], par, options["bucket_mb"])
+    model = trainer_model(options["folder"], par, options["bucket_mb"], shape.tower)
     built = time.perf_counter()
     engine = trainer_engine.engine if owner else None  # the peers hold no sglang.Engine
     if engine is not None and not options.get("session", True):

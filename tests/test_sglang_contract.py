@@ -12,7 +12,8 @@ Qwen3.5 and Qwen3.5-MoE (tests/hub_models.py's folders, in the hub's layout) at 
 of tests/sglang_layouts.py. Further tests show what sglang does with a wrong name, a wrong shape, a push outside the
 0.5.21+ weight-update session, and unbalanced GPUs without the trainer's setting. And sglang's own model loader
 serves the trainer's export of each hub model (a checkpoint's hf/ folder) from disk, as a server given its path would,
-with the trained weights (and Qwen3.5's vision tower) in every parameter.
+with the trained weights (and Qwen3.5's vision tower) in every parameter. Prompts with images: the engine's requests
+through sglang's own multimodal processor give the trainer's ids, pixels and positions, and the tower's push lands.
 
 Needs `pip install --no-deps -r requirements-sglang-cpu.txt` (after requirements-cpu.txt). Processes are started
 once per shape for the module (~20-30 s on 2 cores for tp 1 and 2; four-rank shapes, 8 processes, take longer and run
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import types
 
+import PIL.Image
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -36,6 +38,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen3Con
 import architectures
 import checkpoint
 import hub_models
+import vision
 from demo_model import demo_tokenizer
 from sglang_layouts import expected_parameters, vision_tower, vocab_rows
 
@@ -332,6 +335,64 @@ def test_push_of_a_hub_model_lands_every_weight_exactly_in_sglangs_class(
         assert warnings == []
         assert len(set(state["loaded"])) == len(state["loaded"])
         assert experts_form(state["loaded"]) == experts
+
+
+def save_image_model(folder):
+    """--model tiny-qwen3.5-vl as a checkpoint's folder: random weights in the hub's layout, config.json with the
+    fields SGLang reads, its tokenizer (the vision tokens, a chat template that places images) and its image
+    processor's preprocessor_config.json."""
+    os.makedirs(folder)
+    config = checkpoint.tiny_config("tiny-qwen3.5-vl")
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    hub_models.save_vision_language_model(folder, config)
+    hub_models.with_the_hubs_fields(os.path.join(folder, "config.json"), "qwen3_5")
+    checkpoint.tiny_tokenizer("tiny-qwen3.5-vl").save_pretrained(folder)
+    vision.image_processor("tiny-qwen3.5-vl", 256, 4096).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("shape", ["tp1", "tp2"])
+def test_image_prompts_reach_sglangs_processor_as_the_trainer_encodes_them_and_the_tower_lands_in_its_class(
+    clusters, tmp_path, shape
+):
+    """--engine sglang with prompts with images, for a Qwen3.5 checkpoint's folder. The engine is its vision-language
+    class (the engine's model path holds the vision-language config.json and the processor's files). A prompt with
+    two images and a text prompt, sent by engines.SGLangEngine.generate through sglang's Engine.generate and its own
+    multimodal processor (QwenVLImageProcessor): the ids, pixel values, grids and mrope positions it makes of the
+    expanded ids and the processed images equal the trainer's (vision.encode_prompt, transformers' get_rope_index),
+    the text prompt goes as text, and each request bans the vision tokens (-inf, string keys as sglang's scheduler
+    decodes them). Then a push lands every weight in that class, the vision tower's as sglang shards it too, nothing
+    left NaN, no warning."""
+    dp, tp = SHAPES[shape]
+    cluster = clusters(dp, tp)
+    folder = save_image_model(tmp_path / "trainer")
+    check_start(start(cluster, folder, images=True), dp, tp)
+    with open(os.path.join(f"{folder}-out", "engine_model_rank0", "config.json")) as f:
+        assert json.load(f)["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    generator = torch.Generator().manual_seed(0)
+    noise = (torch.rand(24, 40, 3, generator=generator) * 255).to(torch.uint8).numpy()
+    images = [PIL.Image.new("RGB", (32, 24), (200, 30, 30)), PIL.Image.fromarray(noise)]
+    record = [r for r in cluster.trainer("image_prompts", folder=folder, images=images) if r][0]
+    (engine,), trainer = record["engine"], record["trainer"]
+    assert engine["prompt"] == 0 and len(trainer["image_grid_thw"]) == 2
+    assert engine["input_ids"] == trainer["input_ids"]
+    assert torch.equal(engine["pixel_values"].float(), trainer["pixel_values"].float())
+    assert torch.equal(engine["image_grid_thw"].long(), trainer["image_grid_thw"].long())
+    assert torch.equal(engine["mrope_positions"].long(), trainer["mrope_positions"].long())
+    config = AutoConfig.from_pretrained(folder)
+    banned = {str(i): -math.inf for i in vision.vision_token_ids(config)}
+    assert [params["logit_bias"] for params in record["sampling"]] == [banned, banned]
+    push(cluster, folder)
+    hf, text = hf_tensors(folder), hub_models.text_model(folder)
+    for rank, (state, warnings) in enumerate(cluster.weights()[0]):
+        assert state["model_class"] == "Qwen3_5ForConditionalGeneration"
+        parameters = state["parameters"]
+        assert nan_parameters(parameters) == [], rank
+        expected = expected_parameters(text.state_dict(), text.config, tp, rank)
+        expected |= in_dtypes_of(parameters, vision_tower(hf, tp, rank))
+        assert sorted(parameters) == sorted(expected), rank
+        assert mismatches(parameters, expected) == [], rank
+        assert state["load_weights_warnings"] == [] and warnings == []
 
 
 # ----------------------------------------------------------------------------- serving the trainer's export

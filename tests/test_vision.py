@@ -14,8 +14,9 @@ import types
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoModelForImageTextToText, Qwen3VLProcessor
+from transformers import AutoModelForImageTextToText
 
+import architectures
 import checkpoint
 import engines
 import launch
@@ -24,6 +25,7 @@ import task_data
 import train
 import vision
 import vocab_parallel
+from demo_model import ImageOnlyProcessor
 from test_checkpoint import logged
 from test_train import ROOT, copy_project, metrics_lines, torchrun
 from workers import run_ranks
@@ -36,14 +38,6 @@ def colour_items(n, cfg):
     """The colours task's first n held-out items: an image each, and the same text."""
     cfg = train.Config(**{**vars(cfg), "train_size": 20, "test_size": n, "prompts_per_step": 2})
     return list(reward.PromptDataset(cfg, "test"))
-
-
-class ImageOnlyProcessor(Qwen3VLProcessor):
-    """transformers' Qwen3-VL processor without its video processor, which needs torchvision (not on this CPU)."""
-
-    @classmethod
-    def get_attributes(cls):
-        return [name for name in super().get_attributes() if name != "video_processor"]
 
 
 def test_an_image_prompt_is_encoded_as_transformers_qwen3_vl_processor_encodes_it():
@@ -208,6 +202,19 @@ def test_the_vision_language_class_takes_the_pushed_weights_under_its_own_names(
     text = checkpoint.tiny_tokenizer_and_config("tiny-qwen3.5-vl", 0)[1]
     trainer = train.AutoModelForCausalLM.from_config(text)
     assert {vision.vlm_name(name) for name in trainer.state_dict()} <= names
+
+
+def test_the_push_check_refuses_a_tower_weight_that_sglangs_vision_language_class_would_not_load():
+    """--engine sglang pushes the vision tower too: at start, every tower weight's name and shape is checked against
+    the vision-language class (architectures.check_engine_names), and one it would skip is refused by name."""
+    cfg = train.Config(**CFG)
+    text = checkpoint.tiny_tokenizer_and_config(cfg.model, 0)[1]
+    tower = vision.load_tower(cfg, colour_items(1, cfg), [None], torch.device("cpu"))
+    model = train.AutoModelForCausalLM.from_config(text)
+    architectures.check_engine_names(model, text, 1 << 20, tower)
+    tower.merger.register_parameter("extra", torch.nn.Parameter(torch.zeros(3)))
+    with pytest.raises(SystemExit, match=r"model\.visual\.merger\.extra as \[3\]; .* loads no such weight"):
+        architectures.check_engine_names(model, text, 1 << 20, tower)
 
 
 def test_the_tiny_vision_language_model_learns_the_colours_above_its_control_whose_images_hide_them(tmp_path):
