@@ -389,6 +389,8 @@ class CheckpointLayout:
 
     def checkpoint_tensors(self, name, tensor):
         """Parameter `name`, trained, as the checkpoint held it: [(key, tensor)], by the inverse of its conversion."""
+        if name in self.extras:  # a vision tower trained with the text model (--train_vision): under its own key
+            return [(name, tensor)]
         if name not in self.converters:
             [(key, _)] = self.sources[name]
             return [(key, tensor)]
@@ -483,7 +485,8 @@ def check_engine_names(model, config, bucket_bytes, tower=None):
         with torch.device("meta"):
             vlm = AutoModelForImageTextToText.from_config(tower.vlm_config)
         loads |= {name: list(p.shape) for name, p in vlm.named_parameters() if name.startswith("model.visual.")}
-        pieces += vision.tower_weights(tower, torch.bfloat16)
+        if not tower.trained:  # a trained copy is the model's, pushed with it
+            pieces += vision.tower_weights(tower, torch.bfloat16)
     sent = set()
     for piece_name, piece in pieces:
         sent |= {piece_name, *fused.get(piece_name, ())}

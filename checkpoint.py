@@ -265,7 +265,8 @@ def load_weights(models, files, cfg, model_config, world_group):
         for model in models:
             # A shallow copy: set_model_state_dict replaces the dict's entries with their shards.
             set_model_state_dict(model, dict(state), options=options)
-    expected = [name for name, _ in models[0].named_parameters() if ".lora_" not in name]
+    # LoRA's adapters and a trained copy of the vision tower (vision.copy_tower) are not the text model's weights.
+    expected = [name for name, _ in models[0].named_parameters() if ".lora_" not in name and ".visual." not in name]
     missing = sorted(set(expected) - {name for names in batches[0] for name in names})
     if missing:
         raise SystemExit(

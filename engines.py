@@ -227,7 +227,7 @@ class SGLangPeer(Engine):
         release, so every push brings them back."""
         for name, weight in weights:
             yield from architectures.engine_weights(self.model_config, name, weight, bucket_bytes)
-        if self.tower is not None:
+        if self.tower is not None and not self.tower.trained:  # a trained copy is the model's: in `weights`
             yield from vision.tower_weights(self.tower, self.push_dtype)
 
     def update(self, bucket, group):
@@ -264,6 +264,8 @@ class SGLangEngine(SGLangPeer):
             config.save_pretrained(config_dir)
         else:  # prompts with images: the vision-language class, and the processor its image path builds
             vision.save_engine_model(cfg, tower, config, config_dir)
+        if tower is not None and tower.trained:  # SGLang's cache of image features would outlive the tower's weights
+            os.environ["SGLANG_VLM_CACHE_SIZE_MB"] = "0"
         # The engine's processes inherit ignored stop signals (SIGINT, SIGTERM, SIGUSR1): a stop is the trainer's to
         # act on, and torchrun and batch systems send their signals to every process.
         handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stopping.SIGNALS}

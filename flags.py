@@ -108,6 +108,10 @@ def check_config(cfg, world):
         (cfg.overlong_buffer > cfg.max_new_tokens, "--overlong_buffer must be at most --max_new_tokens"),
         (cfg.image_min_pixels > cfg.image_max_pixels, "--image_min_pixels must be at most --image_max_pixels"),
         (
+            cfg.train_vision and cfg.lora_rank,
+            "--train_vision trains the whole tower, LoRA the adapters alone: drop one",
+        ),
+        (
             cfg.partial_rollouts and cfg.tis_cap == 0,
             "--partial_rollouts trains tokens older policies sampled: add --tis_cap 2 to correct them (decoupled PPO)",
         ),

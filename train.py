@@ -67,6 +67,7 @@ class Config:
     plain_template: bool = False  # R1-Zero's plain prompt even when the tokenizer has a chat template (base models)
     image_min_pixels: Count = 4096  # prompts with images: each resized to at least this many pixels (docs/tasks.md)
     image_max_pixels: Count = 1 << 20  # and at most this many, which bounds its tokens (Qwen3.5: 1,024 at most)
+    train_vision: bool = False  # prompts with images: train the vision tower too (frozen by default)
     preset: Literal["", "cpu"] = ""  # cpu: tiny model, toy task, small batches; flags given explicitly still win
     engine: Literal["sglang", "hf"] = "sglang" if torch.cuda.is_available() else "hf"  # hf: HF generate (CPU)
     mem_fraction: float = 0.5  # sglang: fraction of the GPU's free memory at start for its weights and KV cache
@@ -256,6 +257,7 @@ def build_model(model_config, mesh, device, activation_checkpointing=False, lora
     model.to_empty(device=device)
     with torch.device(device):  # rotary frequencies are a non-persistent buffer: rebuild it off the meta device
         model.model.rotary_emb = type(model.model.rotary_emb)(model_config)
+    vision.copy_tower(model, tower)  # --train_vision: the model's copy of the tower, from its weights
     return model
 
 

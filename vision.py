@@ -26,6 +26,7 @@ import io
 import os
 
 import torch
+from torch.distributed.tensor import distribute_tensor
 from transformers import AutoConfig, AutoModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -123,6 +124,8 @@ def load_tower(cfg, items, files, device):
     """Where the items hold images: --model's vision tower (the checkpoint's model.visual.* weights, read by every
     rank; a tiny model's drawn from --seed), frozen, in the compute dtype, with its vision-language model on the meta
     device for transformers' get_rope_index. None for a text task; a text model with images is refused."""
+    if not has_images(items) and cfg.train_vision:
+        raise SystemExit(f"--train_vision trains a vision tower, and --task {cfg.task}'s items hold no images: drop it")
     if not has_images(items):
         return None
     config = vision_config(cfg.model)
@@ -145,6 +148,7 @@ def load_tower(cfg, items, files, device):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tower = tower.to(device, dtype).eval().requires_grad_(False)
     tower.vlm_config = config  # the vision-language model's
+    tower.trained = cfg.train_vision  # the policy then trains a copy of it (take_images)
     with torch.device("meta"):  # transformers' get_rope_index, a method of the vision-language model: no weights
         tower.rope_index = AutoModel.from_config(config).get_rope_index
     return tower
@@ -186,13 +190,19 @@ def take_images(model, tower):
     micro-batch's samples (model.images: each sample's inputs, or None): the tower's features in place of the image
     pads in the embeddings, and position ids [4, batch, time], the text row and then transformers' get_rope_index's
     for time, height and width. Image pads without the pixel values to fill them are refused, never run as text.
-    model.banned_ids: the vision tokens, which no engine samples (vocab_parallel renormalises without them)."""
+    model.banned_ids: the vision tokens, which no engine samples (vocab_parallel renormalises without them).
+    --train_vision: the model holds a copy of the tower (model.model.visual, on the meta device until copy_tower),
+    sharded and trained with it, and its features come from that copy."""
     model.images = model.banned_ids = None
     if tower is None:
         return
     image_id = tower.vlm_config.image_token_id
     model.banned_ids = vision_token_ids(tower.vlm_config)
-    features = []
+    encoder = tower
+    if tower.trained:
+        with torch.device("meta"):
+            model.model.visual = encoder = AutoModel.from_config(tower.vlm_config.vision_config)
+    pending = []  # the micro-batch's pixel values and grid, for the embedding's hook
 
     def before_forward(module, args, kwargs):
         ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
@@ -201,26 +211,43 @@ def take_images(model, tower):
         if not images and not image_tokens.any():
             return None
         grid = torch.cat([image["image_grid_thw"] for image in images]).to(ids.device) if images else None
-        tokens = 0
+        features = 0
         if images:
-            pixels = torch.cat([image["pixel_values"] for image in images]).to(ids.device, tower.dtype)
-            with torch.no_grad():
-                features.append(tower(pixels, grid_thw=grid).pooler_output)
-            tokens = len(features[-1])
-        if int(image_tokens.sum()) != tokens:
-            features.clear()
+            pixels = torch.cat([image["pixel_values"] for image in images]).to(ids.device)
+            pending.append((pixels, grid))
+            features = int(grid.prod(-1).sum()) // tower.config.spatial_merge_size**2
+        if int(image_tokens.sum()) != features:
+            pending.clear()
             raise RuntimeError(
-                f"{int(image_tokens.sum())} image tokens and {tokens} image features: an image was dropped"
+                f"{int(image_tokens.sum())} image tokens and {features} image features: an image was dropped"
             )
         rows, _ = tower.rope_index(ids, image_tokens, grid, attention_mask=mask)
         text = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         return args, dict(kwargs, position_ids=torch.cat([text[None], rows]))
 
     def after_embedding(module, args, embeddings):
-        if not features:
+        if not pending:
             return None
+        pixels, grid = pending.pop()
+        # Inside the model's forward: a trained copy's weights are gathered (FSDP), and its graph is the model's.
+        features = encoder(pixels.to(embeddings.dtype), grid_thw=grid).pooler_output
         image_mask = (args[0] == image_id)[..., None].expand_as(embeddings)
-        return embeddings.masked_scatter(image_mask, features.pop().to(embeddings.dtype))
+        return embeddings.masked_scatter(image_mask, features.to(embeddings.dtype))
 
     model.register_forward_pre_hook(before_forward, with_kwargs=True)
     model.get_input_embeddings().register_forward_hook(after_embedding)
+
+
+def copy_tower(model, tower):
+    """--train_vision: the model's copy of the tower (take_images), sharded by FSDP, set to the tower's weights, each
+    rank's shard from its own whole copy; its buffers (rotary frequencies) too."""
+    if tower is None or not tower.trained:
+        return
+    with torch.no_grad():
+        for name, param in model.model.visual.named_parameters():
+            whole = tower.get_parameter(name).to(param.dtype)
+            param.to_local().copy_(
+                distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            )
+        for name, buffer in model.model.visual.named_buffers():
+            buffer.copy_(tower.get_buffer(name))

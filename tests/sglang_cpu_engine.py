@@ -640,7 +640,7 @@ def trainer_model(folder, par, bucket_mb, tower=None):
     import train
 
     config = trainer_config(folder)
-    model = train.build_model(config, par.mesh, torch.device("cpu"))
+    model = train.build_model(config, par.mesh, torch.device("cpu"), tower=tower)
     cfg = train.Config(model=folder, bucket_mb=bucket_mb)
     files = launch.on_first_rank(par.world_group, checkpoint.weight_files, cfg.model)
     checkpoint.load_weights([model], files, cfg, config, par.world_group)
@@ -648,15 +648,16 @@ def trainer_model(folder, par, bucket_mb, tower=None):
     return model
 
 
-def trainer_tower(folder):
-    """The vision tower of a vision-language folder, as main loads it for a task with images (vision.load_tower)."""
+def trainer_tower(folder, train_vision):
+    """The vision tower of a vision-language folder, as main loads it for a task with images (vision.load_tower);
+    with train_vision, the policy trains a copy of it, which it pushes with the text model."""
     import torch
 
     import checkpoint
     import train
     import vision
 
-    cfg = train.Config(model=folder)
+    cfg = train.Config(model=folder, train_vision=train_vision)
     return vision.load_tower(cfg, [{"images": ["an image"]}], checkpoint.weight_files(folder), torch.device("cpu"))
 
 
@@ -747,7 +748,9 @@ def run_trainer_command(rank, shape, kind, options):
             shape.engine_class.unset_environ = options.get("unset_environ", ())
             sglang.Engine = shape.engine_class
         cfg = train.Config(engine="sglang", tp=shape.tp, out_dir=options["out_dir"], seed=3, model=options["folder"])
-        shape.tower = trainer_tower(options["folder"]) if options.get("images") else None
+        shape.tower = None
+        if options.get("images"):
+            shape.tower = trainer_tower(options["folder"], options.get("train_vision", False))
         config = trainer_config(options["folder"])
         shape.engine = engines.start_engine(cfg, config, par, torch.device("cpu"), shape.tower)
         if not owner:  # an SGLangPeer: no sglang.Engine
@@ -758,6 +761,7 @@ def run_trainer_command(rank, shape, kind, options):
             "kwargs": engine.kwargs,
             "loads": engine.loads,
             "generate": engine.tokenizer_manager.generate_requests,
+            "vlm_cache_mb": engine.environ.get("SGLANG_VLM_CACHE_SIZE_MB"),  # 0: no cache of image features
             "environ": {
                 k: engine.environ.get(k)
                 for k in ("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "TORCHELASTIC_USE_AGENT_STORE")

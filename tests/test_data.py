@@ -570,6 +570,8 @@ def test_a_mistyped_flag_is_one_line_naming_the_nearest_flag(flags, said, capsys
         (dict(partial_rollouts=True, tis_cap=2.0, dynamic_sampling_rounds=1), 1, "drop --dynamic_sampling_rounds"),
         (dict(round_tokens=0), 1, "--round_tokens must be a number from 1 up"),
         (dict(max_staleness=0), 1, "--max_staleness must be a number from 1 up"),
+        (dict(image_min_pixels=5000, image_max_pixels=4096), 1, "--image_min_pixels must be at most"),
+        (dict(train_vision=True, lora_rank=8), 1, "--train_vision trains the whole tower, LoRA the adapters alone"),
     ],
 )
 def test_check_config_rejects_bad_flags_naming_the_flag(changes, world, flag):

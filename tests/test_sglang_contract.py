@@ -351,9 +351,9 @@ def save_image_model(folder):
     return str(folder)
 
 
-@pytest.mark.parametrize("shape", ["tp1", "tp2"])
+@pytest.mark.parametrize("shape,train_vision", [("tp1", False), ("tp2", False), ("tp2", True)])
 def test_image_prompts_reach_sglangs_processor_as_the_trainer_encodes_them_and_the_tower_lands_in_its_class(
-    clusters, tmp_path, shape
+    clusters, tmp_path, shape, train_vision
 ):
     """--engine sglang with prompts with images, for a Qwen3.5 checkpoint's folder. The engine is its vision-language
     class (the engine's model path holds the vision-language config.json and the processor's files). A prompt with
@@ -361,12 +361,16 @@ def test_image_prompts_reach_sglangs_processor_as_the_trainer_encodes_them_and_t
     multimodal processor (QwenVLImageProcessor): the ids, pixel values, grids and mrope positions it makes of the
     expanded ids and the processed images equal the trainer's (vision.encode_prompt, transformers' get_rope_index),
     the text prompt goes as text, and each request bans the vision tokens (-inf, string keys as sglang's scheduler
-    decodes them). Then a push lands every weight in that class, the vision tower's as sglang shards it too, nothing
-    left NaN, no warning."""
+    decodes them). Then a push lands every weight in that class, the vision tower's as sglang shards it too (the
+    frozen tower's, or with --train_vision the policy's trained copy, sharded with it), nothing left NaN, no
+    warning."""
     dp, tp = SHAPES[shape]
     cluster = clusters(dp, tp)
     folder = save_image_model(tmp_path / "trainer")
-    check_start(start(cluster, folder, images=True), dp, tp)
+    owners = start(cluster, folder, images=True, train_vision=train_vision)
+    check_start(owners, dp, tp)
+    if train_vision:  # the engine caches no image's features, which the tower's next weights would change
+        assert [owner["vlm_cache_mb"] for owner in owners] == ["0"] * dp
     with open(os.path.join(f"{folder}-out", "engine_model_rank0", "config.json")) as f:
         assert json.load(f)["architectures"] == ["Qwen3_5ForConditionalGeneration"]
     generator = torch.Generator().manual_seed(0)

@@ -13,12 +13,14 @@ import types
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForImageTextToText
 
 import architectures
 import checkpoint
 import engines
+import hub_models
 import launch
 import reward
 import task_data
@@ -26,7 +28,7 @@ import train
 import vision
 import vocab_parallel
 from demo_model import ImageOnlyProcessor
-from test_checkpoint import logged
+from test_checkpoint import hf_weights, logged
 from test_train import ROOT, copy_project, metrics_lines, torchrun
 from workers import run_ranks
 
@@ -204,6 +206,12 @@ def test_the_vision_language_class_takes_the_pushed_weights_under_its_own_names(
     assert {vision.vlm_name(name) for name in trainer.state_dict()} <= names
 
 
+def test_train_vision_on_a_task_without_images_is_refused_naming_the_flag():
+    cfg = train.Config(model="tiny-qwen3.5-vl", task="toy", train_vision=True)
+    with pytest.raises(SystemExit, match="--train_vision trains a vision tower, and --task toy's items hold no images"):
+        vision.load_tower(cfg, [{"prompt": "Say a:"}], [None], torch.device("cpu"))
+
+
 def test_the_push_check_refuses_a_tower_weight_that_sglangs_vision_language_class_would_not_load():
     """--engine sglang pushes the vision tower too: at start, every tower weight's name and shape is checked against
     the vision-language class (architectures.check_engine_names), and one it would skip is refused by name."""
@@ -246,6 +254,62 @@ def test_a_response_in_flight_keeps_its_images_through_a_resume_and_lora_trains_
     lora = torchrun(2, *FLAGS, "--preset", "cpu", "--steps", "2", "--lora_rank", "4", "--out_dir", str(tmp_path / "l"))
     assert lora.returncode == 0, lora.stderr[-3000:]
     assert all(row["mismatch_abs"] < 1e-4 for row in metrics_lines(tmp_path / "l") if "mismatch_abs" in row)
+
+
+def test_a_trained_tower_reaches_the_engine_every_step_and_resumes_exactly(tmp_path):
+    """--train_vision, with a reference model (--beta): the tower moves, the HF engine samples with the pushed tower
+    (the trainer's log-probs equal the engine's to float noise at every step, which a stale tower in the engine
+    would break from the second step), the reference starts as the policy (KL 0 at step 1), and 2 steps + resume +
+    2 steps log what 4 steps log."""
+    flags = (*FLAGS, "--preset", "cpu", "--max_new_tokens", "4", "--eval_every", "0", "--sample_every", "0")
+    flags += ("--train_vision", "true", "--beta", "0.04", "--lr", "3e-3", "--save_every", "2")
+    straight = torchrun(2, *flags, "--steps", "4", "--out_dir", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    for steps in ("2", "4"):
+        split = torchrun(2, *flags, "--steps", steps, "--resume", "auto", "--out_dir", str(tmp_path / "split"))
+        assert split.returncode == 0, split.stderr[-3000:]
+    rows = logged(tmp_path / "straight")
+    assert logged(tmp_path / "split") == rows
+    assert max(row["mismatch_abs"] for row in rows) < 1e-5 and rows[0]["kl"] == 0
+    cfg = train.Config(**CFG)
+    first = vision.load_tower(cfg, colour_items(1, cfg), [None], torch.device("cpu")).state_dict()
+    trained = hf_weights(tmp_path / "straight", 4)
+    moved = [(trained["model.visual." + name] - weight).abs().max().item() for name, weight in first.items()]
+    assert min(moved) > 0, moved
+
+
+def test_the_export_of_a_trained_tower_keeps_the_hub_layout_and_transformers_loads_it_trained(tmp_path):
+    """A checkpoint's hf/ folder (checkpoint.write_hub_layout) of a Qwen3.5 folder whose tower was trained with the
+    text model (--train_vision): the source's tensor names and dtypes, the MTP weights as they were, and
+    transformers' AutoModelForImageTextToText loads it with the trained weights in every parameter, the tower's
+    included."""
+    source = tmp_path / "source"
+    source.mkdir()
+    config = checkpoint.tiny_config("tiny-qwen3.5-vl")
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    hub_models.save_vision_language_model(source, config)
+    text = hub_models.text_model(source)
+    original = {name: w.detach() for name, w in text.named_parameters()}
+    original |= dict(vision.tower_weights(trainer_tower(source), torch.float32))
+    generator = torch.Generator().manual_seed(1)
+    trained = {name: w + 0.01 * torch.randn(w.shape, generator=generator) for name, w in original.items()}
+    checkpoint.write_hub_layout(str(tmp_path / "hf"), trained, text.config, str(source))
+    written, before = (safetensors_of(tmp_path / folder) for folder in ("hf", "source"))
+    assert {k: t.dtype for k, t in written.items()} == {k: t.dtype for k, t in before.items()}
+    assert all(torch.equal(written[k], before[k]) for k in written if k.startswith("mtp."))
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf").state_dict()
+    assert all(torch.equal(loaded[vision.vlm_name(name)], weight) for name, weight in trained.items())
+
+
+def trainer_tower(folder):
+    """The frozen tower of a Qwen3.5 folder, as main loads it."""
+    cfg = train.Config(**{**CFG, "model": str(folder)})
+    return vision.load_tower(cfg, [{"images": ["an image"]}], checkpoint.weight_files(cfg.model), torch.device("cpu"))
+
+
+def safetensors_of(folder):
+    """Every tensor of a folder's safetensors files, by key."""
+    return {k: v for file in folder.glob("*.safetensors") for k, v in load_file(file).items()}
 
 
 def test_the_geometry3k_recipe_of_docs_tasks_md_runs_on_a_local_parquet_of_its_schema(tmp_path):
@@ -319,12 +383,13 @@ def test_jsonl_rows_that_name_image_files_beside_them_are_read_as_rows_and_their
     assert vision.open_image({"bytes": data, "path": None}, "").getpixel((0, 0)) == reward.COLOURS["b"]
 
 
-def image_step(rank, world, dp, tp):
+def image_step(rank, world, dp, tp, train_vision):
     """One SGD step of train_on_rollouts on colour prompts (4 a rank, random responses and advantages), the text
-    model sharded over (dp, tp) beside the frozen tower, against the formula on transformers' vision-language model
-    whole: its own forward with the pixel values, the vision tokens' logits -inf, the token-mean surrogate at ratio
-    1, the grad norm clipped. Returns the largest difference of the text weights after the step, and both norms."""
-    cfg = train.Config(**CFG, tp=tp, micro_batch_size=3, max_grad_norm=0.05)
+    model sharded over (dp, tp) beside the frozen tower (or with its trained copy, sharded with it), against the
+    formula on transformers' vision-language model whole: its own forward with the pixel values, the vision tokens'
+    logits -inf, the token-mean surrogate at ratio 1, the grad norm clipped. Returns the largest difference of the
+    weights after the step, both norms, and how far the step moved the tower."""
+    cfg = train.Config(**CFG, tp=tp, micro_batch_size=3, max_grad_norm=0.05, train_vision=train_vision)
     items = colour_items(4 * dp, cfg)
     tokenizer, config = checkpoint.load_tokenizer_and_config(cfg, items)
     par = launch.parallel_groups("cpu", tp)
@@ -350,7 +415,7 @@ def image_step(rank, world, dp, tp):
     reference.load_state_dict({vision.vlm_name(name): w for name, w in start.items()}, strict=False)
     reference.model.visual.load_state_dict(tower.state_dict())
     reference.tie_weights()
-    reference.model.visual.requires_grad_(False)
+    reference.model.visual.requires_grad_(train_vision)
     tokens = sum(len(s.response_ids) for s in samples)
     loss = 0.0
     for s in samples:
@@ -372,11 +437,20 @@ def image_step(rank, world, dp, tp):
         for p in text:
             p -= 0.1 * p.grad
     expected = {name: reference.state_dict()[vision.vlm_name(name)] for name in after}
-    return max((after[name] - expected[name]).abs().max().item() for name in after), maxima["grad_norm"], norm
+    weights = max((after[name] - expected[name]).abs().max().item() for name in after)
+    tower = [(after[name] - start[name]).abs().max().item() for name in after if ".visual." in name]
+    return weights, maxima["grad_norm"], norm, max(tower, default=None)
 
 
-@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_a_sharded_step_on_image_prompts_equals_the_vision_language_models_own_step(dp, tp):
-    for weights, sharded_norm, norm in run_ranks(image_step, dp * tp, dp, tp):
+@pytest.mark.parametrize(
+    "dp,tp,train_vision",
+    [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (1, 1, True), (2, 2, True)],
+    ids=["1x1", "2x1", "1x2", "2x2", "1x1-train_vision", "2x2-train_vision"],
+)
+def test_a_sharded_step_on_image_prompts_equals_the_vision_language_models_own_step(dp, tp, train_vision):
+    """At --dp x --tp, the frozen tower beside the sharded text model, or (--train_vision) its copy sharded and
+    trained with it: the step equals the whole model's to 1e-5, the tower's weights too, which the step moved."""
+    for weights, sharded_norm, norm, tower in run_ranks(image_step, dp * tp, dp, tp, train_vision):
         assert sharded_norm == pytest.approx(norm, rel=1e-4) and norm > 0.05  # the clipping scaled the step
         assert weights < 1e-5
+        assert (tower is not None and tower > 1e-4) if train_vision else tower is None
