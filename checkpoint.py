@@ -44,6 +44,7 @@ from transformers import (
     Qwen2Config,
     Qwen2Tokenizer,
     Qwen3_5Config,
+    Qwen3_5MoeConfig,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3MoeConfig,
@@ -165,7 +166,14 @@ TINY_MODELS = {
     "tiny-qwen3.5": (Qwen3_5TextConfig, dict(TINY_LINEAR, tie_word_embeddings=True)),
     "tiny-qwen3.5-moe": (Qwen3_5MoeTextConfig, dict(TINY_LINEAR, **TINY_MOE, shared_expert_intermediate_size=64)),
     "tiny-qwen3-next": (Qwen3NextConfig, dict(TINY_LINEAR, **TINY_MOE, shared_expert_intermediate_size=64)),
-    "tiny-qwen3.5-vl": (Qwen3_5Config, dict(vision_config=TINY_VISION, tie_word_embeddings=True)),
+    "tiny-qwen3.5-vl": (
+        Qwen3_5Config,
+        dict(vision_config=TINY_VISION, text_config=TINY_LINEAR, tie_word_embeddings=True),
+    ),
+    "tiny-qwen3.5-moe-vl": (
+        Qwen3_5MoeConfig,
+        dict(vision_config=TINY_VISION, text_config=dict(TINY_LINEAR, **TINY_MOE, shared_expert_intermediate_size=64)),
+    ),
 }
 # A chat template that places images as Qwen's does: a tiny vision-language model's, whose prompts are chat messages.
 TINY_CHAT_TEMPLATE = (
@@ -216,11 +224,11 @@ def tiny_config(model, lora_rank=0):
         initializer_range=0.2 if lora_rank else 0.02,
         **TINY_SHAPE,
     )
-    if config_class is not Qwen3_5Config:
+    if "vision_config" not in fields:
         return config_class(**text, **fields)
     ids = {f"{name}_token_id": vocab[f"<|{name}|>"] for name in ("vision_start", "vision_end")}
     ids.update(image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"])
-    return Qwen3_5Config(text_config=dict(text, **TINY_LINEAR), **fields, **ids)
+    return config_class(**dict(fields, text_config=dict(text, **fields["text_config"])), **ids)
 
 
 def model_folder(model, download=True):

@@ -312,6 +312,24 @@ def safetensors_of(folder):
     return {k: v for file in folder.glob("*.safetensors") for k, v in load_file(file).items()}
 
 
+def test_routing_replay_with_images_on_an_moe_vision_language_model_at_tp_2_resumes_exactly(tmp_path):
+    """tiny-qwen3.5-moe-vl at tp 2 with --routing_replay on and partial rollouts: the engine's routing of the image
+    tokens (its positions count the expanded prompt) replayed with the rest, so the trainer's log-probs equal the
+    engine's at every step; every engine row usable; and 2 steps + resume + 2 steps log what 4 steps log."""
+    flags = ("--model", "tiny-qwen3.5-moe-vl", *FLAGS[2:], "--preset", "cpu", "--tp", "2", "--max_new_tokens", "4")
+    flags += ("--routing_replay", "on", "--partial_rollouts", "true", "--tis_cap", "2", "--round_tokens", "2")
+    flags += ("--eval_every", "0", "--sample_every", "0", "--save_every", "2", "--lr", "3e-3")
+    straight = torchrun(2, *flags, "--steps", "4", "--out_dir", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    for steps in ("2", "4"):
+        split = torchrun(2, *flags, "--steps", steps, "--resume", "auto", "--out_dir", str(tmp_path / "split"))
+        assert split.returncode == 0, split.stderr[-3000:]
+    rows = logged(tmp_path / "straight")
+    assert logged(tmp_path / "split") == rows
+    assert max(row["mismatch_abs"] for row in rows) < 1e-5
+    assert max(row["routing_unusable"] for row in rows) == 0 and max(row["responses_carried"] for row in rows) > 0
+
+
 def test_the_geometry3k_recipe_of_docs_tasks_md_runs_on_a_local_parquet_of_its_schema(tmp_path):
     """docs/tasks.md's recipe, done to a copy of reward.py as a user would (its __getitem__ and reward_fn branches),
     on a folder of train and test parquet files of geometry3k's schema (a list of figures in the Image feature,
