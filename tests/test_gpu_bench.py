@@ -52,6 +52,8 @@ def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_ru
     for row in ("rollout", "train", "push", "memory", "step"):
         assert all((row, shape) in names for shape in shapes), row
     assert [w for r, w in names if r == "routing"] == [shapes[2]]  # MoE shapes alone
+    ways = ["tiny-qwen3.5, text", "tiny-qwen3.5, image", "tiny-qwen3.5, image, --train_vision"]
+    assert [w for r, w in names if r == "images"] == ways  # Qwen3.5 shapes alone
     assert [w for r, w in names if r == "logprobs"] == settings
     assert [w for r, w in names if r == "race"] == ["TRL, vLLM colocate", "train.py", "TRL"]
     assert [w for r, w in names if r == "partial"] == ["synchronous", "partial"]
@@ -74,6 +76,10 @@ def test_the_cpu_run_fills_every_row_with_finite_numbers_and_says_it_is_a_cpu_ru
         parts = ("generation s", "logprobs s", "update s", "push s")
         assert step["step s"] == pytest.approx(sum(step[part] for part in parts))
         assert step["mismatch |log r|"] < 1e-4
+    # Images: a 64 x 64 image is 64 tokens more (and its start and end); the HF engine's log-probs agree either way.
+    text, image, trained = (value["images", way] for way in ways)
+    assert image["prompt tokens"] == trained["prompt tokens"] == text["prompt tokens"] + 66
+    assert all(way["mismatch |log r|"] < 1e-4 for way in (text, image, trained))
     # The HF engine routes as the trainer (fp32, same weights): no routing differs, replayed or not, and the
     # log-probs agree to rounding either way.
     routing = value["routing", shapes[2]]
