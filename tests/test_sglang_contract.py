@@ -404,8 +404,9 @@ def test_image_prompts_reach_sglangs_processor_as_the_trainer_encodes_them_and_t
 def exports(tmp_path_factory):
     """export(architecture), made once for the module: a hub folder of the architecture ("source") and the trainer's
     export of it ("folder", checkpoint.write_hub_layout as a checkpoint's hf/ is written) for weights trained from it
-    ("trained": the weights of transformers' text model of the source, "original", each moved by N(0, 0.01^2) noise,
-    by the trainer's names), in the trainer's text config ("config")."""
+    ("trained": the weights of transformers' text model of the source, "original", and of a vision-language folder's
+    tower, as --train_vision trains it, each moved by N(0, 0.01^2) noise, by the trainer's names), in the trainer's
+    text config ("config")."""
     made = {}
 
     def export(architecture):
@@ -413,6 +414,8 @@ def exports(tmp_path_factory):
             root = tmp_path_factory.mktemp(architecture)
             source = hub_models.save_hub_model(root / "source", architecture)
             original = {name: param.detach() for name, param in hub_models.text_model(source).named_parameters()}
+            # A vision-language folder's tower trained too (--train_vision), under the checkpoint's keys.
+            original |= {key: t for key, t in hf_tensors(source).items() if key.startswith("model.visual.")}
             generator = torch.Generator().manual_seed(1)
             trained = {name: w + 0.01 * torch.randn(w.shape, generator=generator) for name, w in original.items()}
             config = architectures.text_config(AutoConfig.from_pretrained(source))
@@ -444,7 +447,7 @@ def test_sglangs_own_loader_serves_the_trainers_export_of_a_hub_model_with_the_t
     and dtypes) and gives every tensor in them to the class that the export's config.json (the source's, unchanged)
     names, Qwen3.5's vision-language ones. Every text-model parameter then equals the trained weight (not the
     source's) as tests/sglang_layouts.py lays it out on the rank, the Gemma norms' weight + 1 buffers too; the vision
-    tower equals the source's; no parameter is left NaN and sglang warns of nothing."""
+    tower equals the trained one (--train_vision); no parameter is left NaN and sglang warns of nothing."""
     export = exports(architecture)
     config_json = [pathlib.Path(folder, "config.json").read_text() for folder in (export.source, export.folder)]
     assert config_json[0] == config_json[1]
@@ -467,7 +470,7 @@ def test_sglangs_own_loader_serves_the_trainers_export_of_a_hub_model_with_the_t
         untrained = in_dtypes_of(parameters, expected_parameters(export.original, export.config, tp, rank, dtype=None))
         assert [name for name in expected if torch.equal(expected[name], untrained[name])] == []  # the noise shows
         check_gemma_norms(buffers, expected, export.config.model_type)
-        vision = in_dtypes_of(parameters, vision_tower(source, tp, rank))
+        vision = in_dtypes_of(parameters, vision_tower(export.trained, tp, rank))
         assert sorted(vision) == sorted(parameters.keys() - text.keys()), rank
         assert mismatches(parameters, vision) == [], rank
         assert state["load_weights_warnings"] == [] and warnings == []
