@@ -237,20 +237,28 @@ def test_the_tiny_vision_language_model_learns_the_colours_above_its_control_who
     assert accuracy[0] > 0.8 and accuracy[1] < 0.5, accuracy
 
 
+def straight_and_resumed(tmp_path, flags):
+    """4 steps straight (tmp_path/straight), and 2 steps then --resume auto to 4 (tmp_path/split), under torchrun on
+    2 ranks: the logged metrics of the straight run, which the split run's must equal."""
+    straight = torchrun(2, *flags, "--steps", "4", "--out_dir", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    for steps in ("2", "4"):
+        split = torchrun(2, *flags, "--steps", steps, "--resume", "auto", "--out_dir", str(tmp_path / "split"))
+        assert split.returncode == 0, split.stderr[-3000:]
+    rows = logged(tmp_path / "straight")
+    assert logged(tmp_path / "split") == rows
+    return rows
+
+
 def test_a_response_in_flight_keeps_its_images_through_a_resume_and_lora_trains_beside_the_frozen_tower(tmp_path):
     """--partial_rollouts, responses carried over steps and across a save: 2 steps + resume + 2 steps log what 4
     steps log (the carried responses' images in in_flight.pt). LoRA on the same task: the adapters train, the tower
     stays frozen."""
     flags = (*FLAGS, "--preset", "cpu", "--max_new_tokens", "4", "--eval_every", "0", "--sample_every", "0")
     flags += ("--partial_rollouts", "true", "--tis_cap", "2", "--round_tokens", "2", "--lr", "3e-3")
-    straight = torchrun(2, *flags, "--steps", "4", "--out_dir", str(tmp_path / "straight"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    for steps in ("2", "4"):
-        split = torchrun(2, *flags, "--steps", steps, "--resume", "auto", "--out_dir", str(tmp_path / "split"))
-        assert split.returncode == 0, split.stderr[-3000:]
+    rows = straight_and_resumed(tmp_path, flags)
     assert (tmp_path / "split" / "checkpoints" / "step_000002" / "in_flight.pt").exists()
-    assert logged(tmp_path / "split") == logged(tmp_path / "straight")
-    assert max(row["responses_carried"] for row in logged(tmp_path / "straight")) > 0
+    assert max(row["responses_carried"] for row in rows) > 0
     lora = torchrun(2, *FLAGS, "--preset", "cpu", "--steps", "2", "--lora_rank", "4", "--out_dir", str(tmp_path / "l"))
     assert lora.returncode == 0, lora.stderr[-3000:]
     assert all(row["mismatch_abs"] < 1e-4 for row in metrics_lines(tmp_path / "l") if "mismatch_abs" in row)
@@ -263,13 +271,7 @@ def test_a_trained_tower_reaches_the_engine_every_step_and_resumes_exactly(tmp_p
     2 steps log what 4 steps log."""
     flags = (*FLAGS, "--preset", "cpu", "--max_new_tokens", "4", "--eval_every", "0", "--sample_every", "0")
     flags += ("--train_vision", "true", "--beta", "0.04", "--lr", "3e-3", "--save_every", "2")
-    straight = torchrun(2, *flags, "--steps", "4", "--out_dir", str(tmp_path / "straight"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    for steps in ("2", "4"):
-        split = torchrun(2, *flags, "--steps", steps, "--resume", "auto", "--out_dir", str(tmp_path / "split"))
-        assert split.returncode == 0, split.stderr[-3000:]
-    rows = logged(tmp_path / "straight")
-    assert logged(tmp_path / "split") == rows
+    rows = straight_and_resumed(tmp_path, flags)
     assert max(row["mismatch_abs"] for row in rows) < 1e-5 and rows[0]["kl"] == 0
     cfg = train.Config(**CFG)
     first = vision.load_tower(cfg, colour_items(1, cfg), [None], torch.device("cpu")).state_dict()
@@ -319,13 +321,7 @@ def test_routing_replay_with_images_on_an_moe_vision_language_model_at_tp_2_resu
     flags = ("--model", "tiny-qwen3.5-moe-vl", *FLAGS[2:], "--preset", "cpu", "--tp", "2", "--max_new_tokens", "4")
     flags += ("--routing_replay", "on", "--partial_rollouts", "true", "--tis_cap", "2", "--round_tokens", "2")
     flags += ("--eval_every", "0", "--sample_every", "0", "--save_every", "2", "--lr", "3e-3")
-    straight = torchrun(2, *flags, "--steps", "4", "--out_dir", str(tmp_path / "straight"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    for steps in ("2", "4"):
-        split = torchrun(2, *flags, "--steps", steps, "--resume", "auto", "--out_dir", str(tmp_path / "split"))
-        assert split.returncode == 0, split.stderr[-3000:]
-    rows = logged(tmp_path / "straight")
-    assert logged(tmp_path / "split") == rows
+    rows = straight_and_resumed(tmp_path, flags)
     assert max(row["mismatch_abs"] for row in rows) < 1e-5
     assert max(row["routing_unusable"] for row in rows) == 0 and max(row["responses_carried"] for row in rows) > 0
 
