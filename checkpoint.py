@@ -560,7 +560,7 @@ def checked_state(path, cfg, model_config):
     if why:
         raise SystemExit(f"--resume {path}: not a whole checkpoint ({why}): --resume auto takes the newest whole one")
     state = json.loads(pathlib.Path(path, "trainer_state.json").read_text())
-    check_lora_flags(cfg, path, state.get("config", {}))
+    check_trained_flags(cfg, path, state.get("config", {}))
     if state["step"] >= cfg.steps:
         raise SystemExit(f"--resume {path} is at step {state['step']}, --steps {cfg.steps}: raise --steps to go on")
     saved = architectures.text_config(AutoConfig.from_pretrained(os.path.join(path, "hf")))
@@ -578,11 +578,11 @@ def checked_state(path, cfg, model_config):
     return state
 
 
-def check_lora_flags(cfg, path, saved_flags):
-    """Another --lora_rank trains other parameters; another --lora_alpha rescales the trained B A, so the policy
-    would jump at the first step. A checkpoint from before LoRA existed counts as the defaults."""
+def check_trained_flags(cfg, path, saved_flags):
+    """Another --lora_rank or --train_vision trains other parameters; another --lora_alpha rescales the trained B A,
+    so the policy would jump at the first step. A checkpoint from before a flag existed counts as its default."""
     defaults = {field.name: field.default for field in dataclasses.fields(cfg)}
-    for key in ("lora_rank", "lora_alpha"):
+    for key in ("lora_rank", "lora_alpha", "train_vision"):
         saved_value = saved_flags.get(key, defaults[key])
         alpha_without_lora = key == "lora_alpha" and not cfg.lora_rank  # alpha scales nothing then
         if saved_value != getattr(cfg, key) and not alpha_without_lora:

@@ -278,6 +278,12 @@ def test_a_trained_tower_reaches_the_engine_every_step_and_resumes_exactly(tmp_p
     trained = hf_weights(tmp_path / "straight", 4)
     moved = [(trained["model.visual." + name] - weight).abs().max().item() for name, weight in first.items()]
     assert min(moved) > 0, moved
+    # Resumed without the flag, the tower's trained weights would be left behind: refused, naming it.
+    step_dir = str(tmp_path / "straight" / "checkpoints" / "step_000004")
+    cfg = train.Config(**CFG, resume=step_dir, steps=6, out_dir=str(tmp_path / "again"))
+    text = checkpoint.tiny_tokenizer_and_config(cfg.model, 0)[1]
+    with pytest.raises(SystemExit, match=f"^--resume {step_dir} was trained with --train_vision True"):
+        checkpoint.find_resume(cfg, text)
 
 
 def test_the_export_of_a_trained_tower_keeps_the_hub_layout_and_transformers_loads_it_trained(tmp_path):
