@@ -176,6 +176,7 @@ def main(out_path):
     scheduler = Scheduler(server_args)
     engine = object.__new__(engines.SGLangEngine)  # the trainer's class, on the stand-in engine
     engine.engine = Engine(scheduler)
+    engine.tower = None  # a text model, as SGLangEngine.__init__ (not run here) would keep it
     calls = []
     for temperature, top_p, top_k in SETTINGS:
         outputs = engine.generate([[1, 2, 3], [4, 5]], [6, 6], temperature, top_p, top_k, [STOP], seed=0)
