@@ -485,8 +485,7 @@ def check_engine_names(model, config, bucket_bytes, tower=None):
         with torch.device("meta"):
             vlm = AutoModelForImageTextToText.from_config(tower.vlm_config)
         loads |= {name: list(p.shape) for name, p in vlm.named_parameters() if name.startswith("model.visual.")}
-        if not tower.trained:  # a trained copy is the model's, pushed with it
-            pieces += vision.tower_weights(tower, torch.bfloat16)
+        pieces += vision.tower_weights(tower, torch.bfloat16)
     sent = set()
     for piece_name, piece in pieces:
         sent |= {piece_name, *fused.get(piece_name, ())}

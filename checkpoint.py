@@ -455,16 +455,22 @@ def write_hub_layout(folder, weights, config, source):
     for name, weight in weights.items():
         for key, tensor in layout.checkpoint_tensors(name, weight):
             tensors[key] = tensor.to(DTYPES.get(where[key].get_slice(key).get_dtype(), tensor.dtype)).contiguous()
-    os.makedirs(folder)
-    for file in os.listdir(source):
-        if not file.startswith("model") and os.path.isfile(os.path.join(source, file)):
-            shutil.copyfile(os.path.join(source, file), os.path.join(folder, file))
+    copy_files_but_weights(source, folder)
     shards = huggingface_hub.split_torch_state_dict_into_shards(tensors, max_shard_size="5GB")
     for file, keys in shards.filename_to_tensors.items():
         save_file({key: tensors[key] for key in keys}, os.path.join(folder, file), metadata={"format": "pt"})
     if shards.is_sharded:
         index = {"metadata": shards.metadata, "weight_map": shards.tensor_to_filename}
         pathlib.Path(folder, "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def copy_files_but_weights(source, folder):
+    """The files of a model's folder `source` that are no weights (config.json, the generation, tokenizer and
+    processor files) into `folder`, made if missing."""
+    os.makedirs(folder, exist_ok=True)
+    for file in os.listdir(source):
+        if not file.startswith("model") and os.path.isfile(os.path.join(source, file)):
+            shutil.copyfile(os.path.join(source, file), os.path.join(folder, file))
 
 
 def write_files(folder, cfg, step, model, tokenizer, weights, adapters, wandb_id):

@@ -227,7 +227,7 @@ class SGLangPeer(Engine):
         release, so every push brings them back."""
         for name, weight in weights:
             yield from architectures.engine_weights(self.model_config, name, weight, bucket_bytes)
-        if self.tower is not None and not self.tower.trained:  # a trained copy is the model's: in `weights`
+        if self.tower is not None:
             yield from vision.tower_weights(self.tower, self.push_dtype)
 
     def update(self, bucket, group):
@@ -295,14 +295,15 @@ class SGLangEngine(SGLangPeer):
 
     def generate(self, prompts, budgets, temperature, top_p, top_k, stop_ids, seed, routing_from=None, images=None):
         # Seeded at start, by --seed. With routing_from, the routed experts of every sequence from the least of them.
+        banned = {}
+        if self.tower is not None:  # no vision token sampled; SGLang's log-probs are then over the others
+            banned["logit_bias"] = {str(i): float("-inf") for i in vision.vision_token_ids(self.tower.vlm_config)}
         sampling = []
         for budget in budgets:
             params = dict(temperature=temperature, top_p=top_p, stop_token_ids=stop_ids, max_new_tokens=budget)
             if top_k > 0:
                 params["top_k"] = top_k
-            if self.tower is not None:  # no vision token sampled; SGLang's log-probs are then over the others
-                params["logit_bias"] = {str(i): float("-inf") for i in vision.vision_token_ids(self.tower.vlm_config)}
-            sampling.append(params)
+            sampling.append(params | banned)
         request = self.image_request(images)
         if routing_from is not None:
             request.update(return_routed_experts=True, routed_experts_start_len=min(routing_from))

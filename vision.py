@@ -155,8 +155,11 @@ def load_tower(cfg, items, files, device):
 
 
 def tower_weights(tower, dtype):
-    """The vision tower's weights in `dtype`, under the checkpoint's names (model.visual.*), which SGLang's
-    vision-language class loads."""
+    """What a push sends of the frozen tower besides the model's weights: its weights in `dtype`, under the
+    checkpoint's names (model.visual.*), which SGLang's vision-language class loads. Nothing for a tower the policy
+    trains a copy of (--train_vision): that copy is the model's, pushed with it."""
+    if tower.trained:
+        return
     for name, weight in tower.state_dict().items():
         yield "model.visual." + name, weight.to(dtype)
 
@@ -165,8 +168,6 @@ def save_engine_model(cfg, tower, text_config, folder):
     """What SGLang reads from its model path for prompts with images, in `folder`: the checkpoint's vision-language
     config holding the engine's text config (architectures.engine_config), and its processor's files (tokenizer,
     image and video processors), from which SGLang builds its image path even when it is given token ids."""
-    import shutil
-
     import checkpoint
 
     config = copy.deepcopy(tower.vlm_config)
@@ -174,15 +175,12 @@ def save_engine_model(cfg, tower, text_config, folder):
     config.architectures = [MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[config.model_type]]
     if getattr(config.vision_config, "deepstack_visual_indexes", None) is None:  # SGLang's Qwen3.5 tower reads it
         config.vision_config.deepstack_visual_indexes = []
-    config.save_pretrained(folder)
     if cfg.model in checkpoint.TINY_MODELS:
         checkpoint.tiny_tokenizer(cfg.model).save_pretrained(folder)
         image_processor(cfg.model, cfg.image_min_pixels, cfg.image_max_pixels).save_pretrained(folder)
-        return
-    source = checkpoint.model_folder(cfg.model, download=False)
-    for file in os.listdir(source):
-        if not file.startswith("model") and file != "config.json" and os.path.isfile(os.path.join(source, file)):
-            shutil.copyfile(os.path.join(source, file), os.path.join(folder, file))
+    else:
+        checkpoint.copy_files_but_weights(checkpoint.model_folder(cfg.model, download=False), folder)
+    config.save_pretrained(folder)  # in place of the checkpoint's
 
 
 def take_images(model, tower):
@@ -211,15 +209,15 @@ def take_images(model, tower):
         if not images and not image_tokens.any():
             return None
         grid = torch.cat([image["image_grid_thw"] for image in images]).to(ids.device) if images else None
-        features = 0
+        feature_count = 0
         if images:
             pixels = torch.cat([image["pixel_values"] for image in images]).to(ids.device)
             pending.append((pixels, grid))
-            features = int(grid.prod(-1).sum()) // tower.config.spatial_merge_size**2
-        if int(image_tokens.sum()) != features:
+            feature_count = int(grid.prod(-1).sum()) // tower.config.spatial_merge_size**2
+        if int(image_tokens.sum()) != feature_count:
             pending.clear()
             raise RuntimeError(
-                f"{int(image_tokens.sum())} image tokens and {features} image features: an image was dropped"
+                f"{int(image_tokens.sum())} image tokens and {feature_count} image features: an image was dropped"
             )
         rows, _ = tower.rope_index(ids, image_tokens, grid, attention_mask=mask)
         text = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)

@@ -73,6 +73,7 @@ import time
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3_5TextConfig, Qwen3MoeConfig
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks")]
@@ -83,6 +84,7 @@ import launch  # noqa: E402
 import reward  # noqa: E402
 import sandbox  # noqa: E402
 import train  # noqa: E402
+import vision  # noqa: E402
 import vocab_parallel  # noqa: E402
 from conftest import build_qwen_tokenizer  # noqa: E402
 from smollm2 import write_smollm2  # noqa: E402
@@ -368,22 +370,7 @@ def padding_share(samples, cfg, par):
 def shape_rows(name, args, par, device, tokenizer, peak, table, work_dir):
     """One GRPO step on the shape, stage by stage, and the measurements around it (the docstring's rows)."""
     model_config = shape_config(name)
-    cfg = train.Config(
-        engine=args.engine,
-        task="countdown",
-        train_size=args.prompts,
-        test_size=1,
-        prompts_per_step=args.prompts,
-        group_size=args.group_size,
-        max_new_tokens=args.new_tokens,
-        plain_template=True,
-        micro_batch_size=args.micro_batch_size,
-        mem_fraction=args.mem_fraction,
-        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-        out_dir=work_dir,
-        activation_checkpointing=args.activation_checkpointing,
-        eval_every=0,
-    )
+    cfg = step_config(args, work_dir, task="countdown", plain_template=True)
     model = train.build_model(model_config, par.mesh, device, cfg.activation_checkpointing)
     random_weights(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)  # before any forward, as train.py builds it
@@ -506,7 +493,27 @@ def shape_rows(name, args, par, device, tokenizer, peak, table, work_dir):
     shut_down_engine(engine, workers)
 
 
-def save_image_model(name, folder, image_processor):
+def step_config(args, out_dir, **changes):
+    """train.py's Config for the benchmark's step: --prompts x G --group_size x --new_tokens, its micro-batches and
+    engine as the flags say, no evaluation; `changes` on top."""
+    return train.Config(
+        engine=args.engine,
+        train_size=args.prompts,
+        test_size=1,
+        prompts_per_step=args.prompts,
+        group_size=args.group_size,
+        max_new_tokens=args.new_tokens,
+        micro_batch_size=args.micro_batch_size,
+        mem_fraction=args.mem_fraction,
+        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        out_dir=out_dir,
+        activation_checkpointing=args.activation_checkpointing,
+        eval_every=0,
+        **changes,
+    )
+
+
+def save_image_model(name, folder):
     """The shape as a Qwen3.5 vision-language folder without weights (the rows' are random): config.json with the
     shape's text model and VISION's tower, the tiny models' tokenizer (its vision tokens and a chat template that
     places images; the ids it makes are few, which a Qwen vocabulary holds) and the image processor's config."""
@@ -515,18 +522,16 @@ def save_image_model(name, folder, image_processor):
     config.vision_config = type(config.vision_config)(**VISION[name])
     config.save_pretrained(folder)
     checkpoint.tiny_tokenizer("tiny-qwen3.5-vl").save_pretrained(folder)
-    vision = config.vision_config
-    size = dict(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size)
-    image_processor(**size, temporal_patch_size=vision.temporal_patch_size).save_pretrained(folder)
+    tower = config.vision_config
+    size = dict(patch_size=tower.patch_size, merge_size=tower.spatial_merge_size)
+    Qwen2VLImageProcessorPil(**size, temporal_patch_size=tower.temporal_patch_size).save_pretrained(folder)
 
 
 def image_rows(name, args, par, device, table, work_dir):
     """One GRPO step on the colours task's prompts, each with an image of --image_pixels pixels, against the same
     step with the prompts' text alone, and with the tower trained (--train_vision)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     folder = os.path.join(work_dir, "model")
-    save_image_model(name, folder, Qwen2VLImageProcessorPil)
+    save_image_model(name, folder)
     for way in ("text", "image", "image, --train_vision"):
         image_row(name, way, folder, args, par, device, table, os.path.join(work_dir, way))
         empty_cache()
@@ -535,31 +540,14 @@ def image_rows(name, args, par, device, table, work_dir):
 def image_row(name, way, folder, args, par, device, table, out_dir):
     """The step of one way of image_rows: prompt tokens, seconds of each stage, and the mean |log r| of the trainer's
     log-probs against the engine's."""
-    import vision
-
-    cfg = train.Config(
-        engine=args.engine,
-        model=folder,
-        task="colours",
-        train_size=args.prompts,
-        test_size=1,
-        prompts_per_step=args.prompts,
-        group_size=args.group_size,
-        max_new_tokens=args.new_tokens,
-        micro_batch_size=args.micro_batch_size,
-        mem_fraction=args.mem_fraction,
-        out_dir=out_dir,
-        image_min_pixels=args.image_pixels,
-        image_max_pixels=args.image_pixels,
-        train_vision=way.endswith("vision"),
-        eval_every=0,
-    )
+    pixels = dict(image_min_pixels=args.image_pixels, image_max_pixels=args.image_pixels)
+    cfg = step_config(args, out_dir, model=folder, task="colours", train_vision=way.endswith("vision"), **pixels)
     tokenizer, text_config = checkpoint.tokenizer_and_config(folder)
     items = [item for item in train.PromptDataset(cfg, "train") for _ in range(cfg.group_size)]
     if way == "text":  # the question alone
         items = [{"prompt": [{"role": "user", "content": item["prompt"][0]["content"][1:]}]} for item in items]
     tower = vision.load_tower(cfg, items, [None], device)
-    model = train.build_model(text_config, par.mesh, device, tower=tower)
+    model = train.build_model(text_config, par.mesh, device, cfg.activation_checkpointing, tower=tower)
     random_weights(model)
     vision.copy_tower(model, tower)  # --train_vision: the copy starts as the tower, as at a run's start
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)

@@ -28,6 +28,8 @@ from transformers import (
 )
 
 import architectures
+import checkpoint
+import vision
 from demo_model import demo_tokenizer
 
 ARCHITECTURES = ("qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -125,6 +127,20 @@ def save_vision_language_model(folder, config, seed=0):
     state["mtp.norm.weight"] = torch.ones(hidden)
     save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(folder)
+
+
+def save_tiny_vision_language_model(folder):
+    """--model tiny-qwen3.5-vl as a checkpoint's folder: random weights in the hub's layout, config.json with the
+    fields SGLang reads, its tokenizer (the vision tokens, a chat template that places images) and its image
+    processor's preprocessor_config.json. Returns the folder."""
+    os.makedirs(folder)
+    config = checkpoint.tiny_config("tiny-qwen3.5-vl")
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    save_vision_language_model(folder, config)
+    with_the_hubs_fields(os.path.join(folder, "config.json"), "qwen3_5")
+    checkpoint.tiny_tokenizer("tiny-qwen3.5-vl").save_pretrained(folder)
+    vision.image_processor("tiny-qwen3.5-vl", 256, 4096).save_pretrained(folder)
+    return str(folder)
 
 
 def with_the_hubs_fields(path, architecture):

@@ -491,8 +491,10 @@ class QueueTokenizerManager:
                     {
                         "prompt": i,
                         "input_ids": list(processed.input_ids),
-                        "pixel_values": torch_cat([item.feature for item in items]),
-                        "image_grid_thw": torch_cat([item.model_specific_data["image_grid_thw"] for item in items]),
+                        "pixel_values": rows_concatenated([item.feature for item in items]),
+                        "image_grid_thw": rows_concatenated(
+                            [item.model_specific_data["image_grid_thw"] for item in items]
+                        ),
                         "mrope_positions": processed.mrope_positions,
                     }
                 )
@@ -550,7 +552,8 @@ def harness_engine_class(requests, replies):
     return HarnessEngine
 
 
-def torch_cat(tensors):
+def rows_concatenated(tensors):
+    """Tensors of any rank as [rows, last dimension], one after another."""
     import torch
 
     return torch.cat([tensor.reshape(-1, tensor.shape[-1]) for tensor in tensors])

@@ -337,20 +337,6 @@ def test_push_of_a_hub_model_lands_every_weight_exactly_in_sglangs_class(
         assert experts_form(state["loaded"]) == experts
 
 
-def save_image_model(folder):
-    """--model tiny-qwen3.5-vl as a checkpoint's folder: random weights in the hub's layout, config.json with the
-    fields SGLang reads, its tokenizer (the vision tokens, a chat template that places images) and its image
-    processor's preprocessor_config.json."""
-    os.makedirs(folder)
-    config = checkpoint.tiny_config("tiny-qwen3.5-vl")
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
-    hub_models.save_vision_language_model(folder, config)
-    hub_models.with_the_hubs_fields(os.path.join(folder, "config.json"), "qwen3_5")
-    checkpoint.tiny_tokenizer("tiny-qwen3.5-vl").save_pretrained(folder)
-    vision.image_processor("tiny-qwen3.5-vl", 256, 4096).save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.mark.parametrize("shape,train_vision", [("tp1", False), ("tp2", False), ("tp2", True)])
 def test_image_prompts_reach_sglangs_processor_as_the_trainer_encodes_them_and_the_tower_lands_in_its_class(
     clusters, tmp_path, shape, train_vision
@@ -366,7 +352,7 @@ def test_image_prompts_reach_sglangs_processor_as_the_trainer_encodes_them_and_t
     warning."""
     dp, tp = SHAPES[shape]
     cluster = clusters(dp, tp)
-    folder = save_image_model(tmp_path / "trainer")
+    folder = hub_models.save_tiny_vision_language_model(tmp_path / "trainer")
     owners = start(cluster, folder, images=True, train_vision=train_vision)
     check_start(owners, dp, tp)
     if train_vision:  # the engine caches no image's features, which the tower's next weights would change

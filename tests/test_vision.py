@@ -291,11 +291,7 @@ def test_the_export_of_a_trained_tower_keeps_the_hub_layout_and_transformers_loa
     text model (--train_vision): the source's tensor names and dtypes, the MTP weights as they were, and
     transformers' AutoModelForImageTextToText loads it with the trained weights in every parameter, the tower's
     included."""
-    source = tmp_path / "source"
-    source.mkdir()
-    config = checkpoint.tiny_config("tiny-qwen3.5-vl")
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
-    hub_models.save_vision_language_model(source, config)
+    source = hub_models.save_tiny_vision_language_model(tmp_path / "source")
     text = hub_models.text_model(source)
     original = {name: w.detach() for name, w in text.named_parameters()}
     original |= dict(vision.tower_weights(trainer_tower(source), torch.float32))
